@@ -1,0 +1,18 @@
+"""The one ``switchyard`` command; each package adds its own subcommands."""
+
+from __future__ import annotations
+
+import typer
+
+from router.cli import register as register_router
+
+app = typer.Typer(
+    help="Switchyard: router, DP balancer, KV metadata store and mock engines for LLM fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+register_router(app)
+
+
+def main() -> None:
+    app()

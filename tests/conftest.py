@@ -1,0 +1,1 @@
+"""Shared fixtures: free ports, subprocess servers on loopback, a private redis-server."""
