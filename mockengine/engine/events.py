@@ -1,0 +1,44 @@
+"""Engine-neutral KV cache events, one batch per engine step.
+
+The shapes follow vLLM's ``vllm/distributed/kv_events.py`` (which SGLang copied), so the
+publisher only has to choose an encoding. Hashes are already the *published* integers
+for the engine flavour (vLLM: uint64, SGLang: signed int64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MEDIUM_GPU = "GPU"
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class KVEventBatch:
+    ts: float
+    events: list[KVEvent] = field(default_factory=list)
+    data_parallel_rank: int | None = None
