@@ -1,0 +1,63 @@
+"""The model directory's tokenizer and chat template, as a real engine loads them.
+
+Uses the HF ``tokenizer.json`` through ``tokenizers`` and renders the Jinja
+``chat_template`` of ``tokenizer_config.json``, so prompt token counts (and thus
+prefix-cache hits) match what the router computes from the same directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+# One filler word whose repetition tokenizes to exactly one token per word, so
+# the generated text re-tokenizes to the number of tokens the engine produced.
+FILLER_WORD = " the"
+
+
+class TemplateError(ValueError):
+    """The chat template could not render these messages (a client error)."""
+
+
+class ModelTokenizer:
+    def __init__(self, directory: str | Path) -> None:
+        path = Path(directory)
+        self._tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        config: dict[str, Any] = json.loads((path / "tokenizer_config.json").read_text())
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._template = env.from_string(config.get("chat_template") or "")
+        self._special = {
+            k: config.get(k) for k in ("bos_token", "eos_token", "pad_token") if config.get(k)
+        }
+        self.vocab_size = self._tok.get_vocab_size()
+        ids = self._tok.encode(FILLER_WORD * 4, add_special_tokens=False).ids
+        if len(ids) != 4 or len(set(ids)) != 1:
+            raise ValueError(f"{path}: filler word {FILLER_WORD!r} is not a single token")
+        self.filler_token_id = ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._special
+            )
+        except (jinja2.TemplateError, TypeError, KeyError) as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def tokenize_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(i) or "" for i in ids]
