@@ -1,0 +1,68 @@
+"""DP-rank choice for a worker with several data-parallel ranks.
+
+In wide expert-parallel serving every rank's step waits for the slowest rank, so
+``step_balanced`` places a request where the *largest* per-step cost after
+placement is smallest, using a linear step-time model: a cost per running
+sequence, per context token attended, and per prefill token in the step budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from balancer.settings import BalancerSettings
+from balancer.worker import RankCounters
+
+
+def rank_requests(r: RankCounters) -> int:
+    return r.inflight + r.remote_inflight
+
+
+def rank_tokens(r: RankCounters) -> int:
+    return r.prefill_tokens + r.remote_prefill_tokens + r.decode_tokens + r.remote_decode_tokens
+
+
+def step_cost(
+    s: BalancerSettings, requests: int, context_tokens: int, prefill_tokens: int
+) -> float:
+    """Modelled time of one engine step on a rank (arbitrary units)."""
+    return (
+        s.step_seq_cost * requests
+        + s.step_context_token_cost * context_tokens
+        + s.step_prefill_token_cost * min(prefill_tokens, s.step_token_budget)
+    )
+
+
+def rank_cost(s: BalancerSettings, r: RankCounters, extra_tokens: int = 0, extra: int = 0) -> float:
+    prefill = r.prefill_tokens + r.remote_prefill_tokens + extra_tokens
+    return step_cost(s, rank_requests(r) + extra, rank_tokens(r) + extra_tokens, prefill)
+
+
+def least_requests(ranks: Sequence[RankCounters]) -> int:
+    return min(range(len(ranks)), key=lambda i: (rank_requests(ranks[i]), rank_tokens(ranks[i])))
+
+
+def minimum_tokens(ranks: Sequence[RankCounters]) -> int:
+    """SGLang's DP controller policy: the rank holding the fewest in-flight tokens."""
+    return min(range(len(ranks)), key=lambda i: (rank_tokens(ranks[i]), rank_requests(ranks[i])))
+
+
+def step_balanced(s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tokens: int) -> int:
+    """Minimise max-over-ranks step cost after placing the request; ties go to the cheaper rank."""
+    costs = [rank_cost(s, r) for r in ranks]
+    top = second = float("-inf")
+    top_i = -1
+    for i, c in enumerate(costs):
+        if c > top:
+            top, second, top_i = c, top, i
+        elif c > second:
+            second = c
+    best_i = 0
+    best_key = (float("inf"), float("inf"))
+    for i, r in enumerate(ranks):
+        after = rank_cost(s, r, prompt_tokens, 1)
+        others = second if i == top_i else top
+        key = (max(after, others), after)
+        if key < best_key:
+            best_key, best_i = key, i
+    return best_i

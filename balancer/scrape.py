@@ -1,0 +1,88 @@
+"""Reading an engine's Prometheus ``/metrics`` text into the few numbers the load model uses.
+
+vLLM and SGLang name the same gauges differently; the names also tell us which
+engine we talk to when the config does not say.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from balancer.worker import EngineSample
+
+RUNNING = {"vllm:num_requests_running": "vllm", "sglang:num_running_reqs": "sglang"}
+WAITING = {"vllm:num_requests_waiting": "vllm", "sglang:num_queue_reqs": "sglang"}
+KV_USAGE = {
+    "vllm:kv_cache_usage_perc": "vllm",
+    "vllm:gpu_cache_usage_perc": "vllm",
+    "sglang:token_usage": "sglang",
+}
+RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass
+class Scrape:
+    flavor: str | None = None
+    total: EngineSample | None = None
+    ranks: dict[int, EngineSample] = field(default_factory=dict)
+
+
+def _rank_of(labels: str | None) -> int | None:
+    if not labels:
+        return None
+    for key, value in _LABEL.findall(labels):
+        if key in RANK_LABELS:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def parse_metrics(text: str) -> Scrape:
+    """Sum running/waiting over series, average KV usage; split per DP rank when labelled."""
+    flavor: str | None = None
+    sums: dict[tuple[str, int | None], float] = {}
+    counts: dict[tuple[str, int | None], int] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        name = m.group(1)
+        if name in RUNNING:
+            kind, flavor = "running", flavor or RUNNING[name]
+        elif name in WAITING:
+            kind, flavor = "waiting", flavor or WAITING[name]
+        elif name in KV_USAGE:
+            kind, flavor = "kv", flavor or KV_USAGE[name]
+        else:
+            if flavor is None and name.startswith(("vllm:", "sglang:")):
+                flavor = name.split(":", 1)[0]
+            continue
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        rank = _rank_of(m.group(3))
+        for key in ((kind, None), (kind, rank)) if rank is not None else ((kind, None),):
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+
+    def sample(rank: int | None) -> EngineSample | None:
+        if ("running", rank) not in sums and ("waiting", rank) not in sums:
+            return None
+        kv_n = counts.get(("kv", rank), 0)
+        return EngineSample(
+            running=int(sums.get(("running", rank), 0.0)),
+            waiting=int(sums.get(("waiting", rank), 0.0)),
+            kv_usage=sums[("kv", rank)] / kv_n if kv_n else None,
+        )
+
+    ranks = {r: s for r in {k[1] for k in sums if k[1] is not None} if (s := sample(r))}
+    return Scrape(flavor=flavor, total=sample(None), ranks=ranks)
