@@ -27,6 +27,9 @@ class EngineRequest:
     # P/D, decode side: the first ``remote_prefilled_tokens`` prompt tokens arrive
     # from a remote prefill (blocks are allocated, no prefill compute is charged).
     remote_prefilled_tokens: int = 0
+    # The filler token ids the server will emit (cycled), so blocks that fill with generated
+    # tokens hash as the real engine's would and a later turn can hit them. None: token 0.
+    output_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

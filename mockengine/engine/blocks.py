@@ -1,0 +1,101 @@
+"""Paged KV blocks with vLLM V1's prefix-cache bookkeeping.
+
+Freed blocks keep their hash and stay findable until the LRU free queue hands them out
+again; only then are they evicted (a ``BlockRemoved``). Block 0 is vLLM's null block and is
+never handed out, so usable capacity is ``num_gpu_blocks - 1``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from mockengine.engine.events import BlockRemoved, KVEvent
+
+
+class Block:
+    __slots__ = ("block_id", "ref_cnt", "digest", "published")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.digest: bytes | None = None
+        self.published = 0
+
+
+class BlockPool:
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_gpu_blocks)]
+        # Eviction order: the front is evicted first; freeing appends at the back.
+        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # digest -> {block_id: block}: identical blocks computed concurrently are all cached,
+        # as vLLM does (block tables stay append-only).
+        self.cached: dict[bytes, dict[int, Block]] = {}
+        self.events: list[KVEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Referenced blocks / total, as vLLM's ``kv_cache_usage_perc`` (0..1)."""
+        return 1.0 - len(self.free) / self.num_gpu_blocks
+
+    def lookup(self, digest: bytes) -> Block | None:
+        found = self.cached.get(digest)
+        if not found:
+            return None
+        return next(iter(found.values()))
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        free = self.free
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del free[b.block_id]
+            b.ref_cnt += 1
+
+    def allocate(self, n: int) -> list[Block]:
+        """Take ``n`` blocks from the front of the free queue, evicting cached ones."""
+        if n > len(self.free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self.free)} free")
+        out: list[Block] = []
+        popitem = self.free.popitem
+        for _ in range(n):
+            b = popitem(last=False)[1]
+            if b.digest is not None:
+                self._evict(b)
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: Block) -> None:
+        digest = b.digest
+        assert digest is not None
+        same = self.cached.get(digest)
+        if same is not None and same.pop(b.block_id, None) is not None:
+            if not same:
+                del self.cached[digest]
+            self.events.append(BlockRemoved(block_hashes=[b.published]))
+        b.digest = None
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block, in eviction order (first evicted first)."""
+        free = self.free
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                free[b.block_id] = b
+
+    def register(self, b: Block, digest: bytes, published: int) -> None:
+        b.digest = digest
+        b.published = published
+        same = self.cached.get(digest)
+        if same is None:
+            self.cached[digest] = {b.block_id: b}
+        else:
+            same[b.block_id] = b
