@@ -1,0 +1,151 @@
+"""Turning engine event batches into index updates, per publisher.
+
+Engine hashes are never trusted to equal our keys: each ``BlockStored`` is re-keyed
+from its ``token_ids`` (chained from the parent's key, which we look up in the
+engine-hash -> key map), and ``BlockRemoved`` is resolved through the same map.
+A stored block whose parent we never saw (a store that joined late) cannot be
+chained and is skipped; the index converges as the engine stores new prefixes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import islice
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
+from kvstore.index import Add, Clear, Location, Op, Remove, tier_of
+from kvstore.keys import chain_keys, key_extra, root_key
+
+log = logging.getLogger("switchyard.kvstore.ingest")
+
+
+@dataclass(slots=True)
+class IngestStats:
+    batches: int = 0
+    events: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphan_blocks: int = 0
+    skipped_blocks: int = 0
+
+
+def cache_salt_of(event: BlockStored) -> str | None:
+    """vLLM puts ``cache_salt`` in the first block's extra keys, after the LoRA name.
+
+    The extra keys of block 0 are ``(mm identifiers…, lora_name?, cache_salt?, …)``: the
+    last string that is not the LoRA name is taken as the salt.
+    """
+    if event.parent_block_hash is not None or not event.extra_keys:
+        return None
+    first = event.extra_keys[0]
+    if not isinstance(first, list | tuple):
+        return None
+    strings = [x for x in first if isinstance(x, str) and x != event.lora_name]
+    return strings[-1] if strings else None
+
+
+class Ingestor:
+    """Re-keys the events of ONE publisher (one engine instance) into index operations."""
+
+    def __init__(
+        self,
+        instance: str,
+        block_size: int,
+        seed: int = 0,
+        default_rank: int = 0,
+        max_mapped_blocks: int = 2_000_000,
+    ) -> None:
+        self.instance = instance
+        self.block_size = block_size
+        self.seed = seed
+        self.default_rank = default_rank
+        self.max_mapped_blocks = max_mapped_blocks
+        self.ranks_seen: set[int] = set()
+        self.stats = IngestStats()
+        # engine hash -> our key, per (rank, tier); bounded so a lossy stream cannot leak.
+        self._maps: dict[tuple[int, str], dict[EngineHash, int]] = {}
+        self._warned_block_size = False
+
+    def _map(self, rank: int, tier: str) -> dict[EngineHash, int]:
+        m = self._maps.get((rank, tier))
+        if m is None:
+            m = self._maps[(rank, tier)] = {}
+        return m
+
+    def mapped_blocks(self) -> int:
+        return sum(len(m) for m in self._maps.values())
+
+    def forget(self, rank: int | None = None) -> None:
+        """Drop the hash maps (publisher restarted: its hashes may be seeded anew)."""
+        if rank is None:
+            self._maps.clear()
+        else:
+            for key in [k for k in self._maps if k[0] == rank]:
+                del self._maps[key]
+
+    def ops(self, batch: EventBatch) -> list[Op]:
+        rank = self.default_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
+        self.ranks_seen.add(rank)
+        st = self.stats
+        st.batches += 1
+        st.events += len(batch.events)
+        out: list[Op] = []
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                op = self._stored(ev, rank)
+                if op is not None:
+                    out.append(op)
+            elif isinstance(ev, BlockRemoved):
+                tier = tier_of(ev.medium)
+                hmap = self._map(rank, tier)
+                keys = [k for k in (hmap.pop(h, None) for h in ev.block_hashes) if k is not None]
+                st.blocks_removed += len(keys)
+                if keys:
+                    out.append(Remove(keys, Location(self.instance, rank, tier)))
+            elif isinstance(ev, AllBlocksCleared):
+                st.clears += 1
+                self.forget(rank)
+                out.append(Clear(self.instance, rank))
+        return out
+
+    def _stored(self, ev: BlockStored, rank: int) -> Add | None:
+        n = len(ev.block_hashes)
+        if ev.block_size != self.block_size or len(ev.token_ids) != n * ev.block_size:
+            self.stats.skipped_blocks += n
+            if not self._warned_block_size:
+                self._warned_block_size = True
+                log.warning(
+                    "%s: BlockStored with block_size=%d and %d tokens for %d blocks; this store "
+                    "keys %d-token blocks, so these blocks are not indexed",
+                    self.instance,
+                    ev.block_size,
+                    len(ev.token_ids),
+                    n,
+                    self.block_size,
+                )
+            return None
+        tier = tier_of(ev.medium)
+        hmap = self._map(rank, tier)
+        if ev.parent_block_hash is None:
+            parent = root_key(self.seed, key_extra(ev.lora_name, cache_salt_of(ev)))
+        else:
+            found = hmap.get(ev.parent_block_hash)
+            if found is None:
+                # The parent may sit in another tier's map (offload keeps the same hash).
+                for (r, _), other in self._maps.items():
+                    if r == rank and (found := other.get(ev.parent_block_hash)) is not None:
+                        break
+            if found is None:
+                self.stats.orphan_blocks += n
+                return None
+            parent = found
+        keys = chain_keys(parent, ev.token_ids, self.block_size, self.seed)
+        for h, k in zip(ev.block_hashes, keys, strict=True):
+            hmap[h] = k
+        self.stats.blocks_stored += n
+        if len(hmap) > self.max_mapped_blocks:
+            for h in list(islice(iter(hmap), len(hmap) - self.max_mapped_blocks)):
+                del hmap[h]
+        return Add(keys, Location(self.instance, rank, tier))
