@@ -180,7 +180,7 @@ class EngineCore:
 
     def step(self, now: float, ts: float | None = None) -> StepResult:
         if self.held:
-            self._expire_held(now)
+            self.expire_held(now)
         bs = self.block_size
         pool = self.pool
         budget = self.config.max_num_batched_tokens
@@ -369,7 +369,8 @@ class EngineCore:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _expire_held(self, now: float) -> None:
+    def expire_held(self, now: float) -> None:
+        """Free prefill holds whose decode side never pulled them."""
         for rid in [rid for rid, s in self.held.items() if s.held_until <= now]:
             self.release_held(rid)
 

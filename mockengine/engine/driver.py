@@ -1,0 +1,189 @@
+"""The real-clock driver: one DP rank of the engine model behind ``api.AsyncEngine``.
+
+One asyncio task runs the step loop against absolute deadlines (a late step is caught up,
+not accumulated), idles on an event when there is nothing to schedule, and hands each
+step's tokens to per-request channels: a deque plus one future, so thousands of streams
+cost no task and no queue object per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from mockengine.engine.api import EngineRequest, EngineStats, TokenOutput
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.core import HELD, EngineCore, Seq
+from mockengine.engine.events import KVEventBatch
+
+log = logging.getLogger(__name__)
+
+# Behind schedule by more than this (wall seconds), restart the deadline instead of bursting.
+_MAX_LAG_S = 0.25
+
+EventSink = Callable[[KVEventBatch], None]
+
+
+class _Channel:
+    __slots__ = ("buf", "waiter")
+
+    def __init__(self) -> None:
+        self.buf: deque[TokenOutput] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def push(self, out: TokenOutput) -> None:
+        self.buf.append(out)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+class RealClockEngine:
+    """Drives :class:`EngineCore` in wall time scaled by ``config.speed``."""
+
+    def __init__(
+        self, config: EngineConfig, dp_rank: int = 0, event_sink: EventSink | None = None
+    ) -> None:
+        self.config = config
+        self.dp_rank = dp_rank
+        self.core = EngineCore(config, dp_rank, event_sink)
+        self._speed = config.speed
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._t0 = 0.0
+
+    # ------------------------------------------------------------------ AsyncEngine
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self._t0 = loop.time()
+        self._task = loop.create_task(self._run(), name=f"engine-rank-{self.dp_rank}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for rid in list(self.core.seqs):
+            self.abort(rid)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenOutput]:
+        if self._task is None:
+            raise RuntimeError("engine is not started")
+        seq = self.core.add_request(request)
+        channel = _Channel()
+        seq.sink = channel
+        self._wake.set()
+        return self._stream(seq, channel)
+
+    async def _stream(self, seq: Seq, channel: _Channel) -> AsyncIterator[TokenOutput]:
+        loop = asyncio.get_running_loop()
+        buf = channel.buf
+        done = False
+        try:
+            while True:
+                while buf:
+                    out = buf.popleft()
+                    if out.finished:
+                        done = True
+                    yield out
+                    if done:
+                        return
+                channel.waiter = loop.create_future()
+                await channel.waiter
+                channel.waiter = None
+        finally:
+            seq.sink = None
+            if not done:
+                self.core.abort(seq.request_id)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.core.abort(request_id)
+        if seq is not None and isinstance(seq.sink, _Channel):
+            seq.sink.push(TokenOutput(seq.num_generated, True, "abort", seq.num_cached_tokens))
+
+    def release_held(self, request_id: str) -> bool:
+        return self.core.release_held(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    # ------------------------------------------------------------------ step loop
+
+    def model_now(self) -> float:
+        return (asyncio.get_running_loop().time() - self._t0) * self._speed
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        core = self.core
+        speed = self._speed
+        t0 = self._t0
+        deadline = loop.time()
+        while True:
+            wall = loop.time()
+            if deadline < wall - _MAX_LAG_S:
+                deadline = wall
+            model_now = (deadline - t0) * speed
+            if not core.ready(model_now):
+                await self._idle(loop, t0)
+                deadline = loop.time()
+                continue
+            try:
+                result = core.step(model_now, ts=time.time())
+            except Exception:
+                log.exception("engine step failed; failing all requests")
+                self._fail_all()
+                raise
+            deadline += result.duration / speed
+            delay = deadline - loop.time()
+            await asyncio.sleep(delay if delay > 0 else 0)
+            for seq in result.progressed:
+                channel = seq.sink
+                if channel is None:
+                    continue
+                if seq.finished:
+                    held = [b.block_id for b in seq.blocks] if seq.state == HELD else []
+                    out = TokenOutput(
+                        seq.num_generated, True, seq.finish_reason, seq.num_cached_tokens, held
+                    )
+                else:
+                    out = TokenOutput(seq.num_generated, False, None, seq.num_cached_tokens)
+                channel.push(out)  # type: ignore[attr-defined]
+
+    async def _idle(self, loop: asyncio.AbstractEventLoop, t0: float) -> None:
+        """Sleep until a request arrives or a transfer / hold comes due."""
+        self._wake.clear()
+        self.core.expire_held((loop.time() - t0) * self._speed)
+        due = self.core.next_wakeup()
+        handle = loop.call_at(t0 + due / self._speed, self._wake.set) if due is not None else None
+        try:
+            await self._wake.wait()
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _fail_all(self) -> None:
+        for rid in list(self.core.seqs):
+            seq = self.core.abort(rid)
+            if seq is not None and isinstance(seq.sink, _Channel):
+                seq.sink.push(TokenOutput(seq.num_generated, True, "error", seq.num_cached_tokens))
+
+
+def make_ranks(
+    config: EngineConfig,
+    dp_size: int,
+    event_sink_factory: Callable[[int], EventSink | None] | None = None,
+) -> list[RealClockEngine]:
+    """``dp_size`` independent ranks (own scheduler, own KV cache), as vLLM DP runs them."""
+    return [
+        RealClockEngine(config, rank, event_sink_factory(rank) if event_sink_factory else None)
+        for rank in range(dp_size)
+    ]
