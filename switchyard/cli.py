@@ -14,5 +14,10 @@ app = typer.Typer(
 register_router(app)
 
 
+@app.callback()
+def root() -> None:
+    """Switchyard: router, DP balancer, KV metadata store and mock engines for LLM fleets."""
+
+
 def main() -> None:
     app()

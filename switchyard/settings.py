@@ -18,7 +18,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-_yaml_data: ContextVar[dict[str, Any]] = ContextVar("_yaml_data", default={})
+_yaml_data: ContextVar[dict[str, Any] | None] = ContextVar("_yaml_data", default=None)
 
 S = TypeVar("S", bound="ServiceSettings")
 
@@ -27,11 +27,11 @@ class _YamlSource(PydanticBaseSettingsSource):
     """Feeds the section of the YAML file that belongs to the service being loaded."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        data = _yaml_data.get()
+        data = _yaml_data.get() or {}
         return data.get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(_yaml_data.get())
+        return dict(_yaml_data.get() or {})
 
 
 class ServiceSettings(BaseSettings):

@@ -1,0 +1,163 @@
+"""One routed request: try the scheduler's choices in order, relay the first answer.
+
+Retries happen only before any byte reached the client: on connect errors,
+timeouts waiting for the response head, and 502/503 from the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import aiohttp
+from prometheus_client import Histogram
+
+from balancer.fleet import Fleet
+from balancer.worker import Outcome, Ticket, Worker
+from router.errors import RouterError
+from router.metrics import RouterMetrics
+from router.relay import Relay, Send, UpstreamTimeout, response_headers
+from router.request import RoutedRequest
+
+RETRYABLE_STATUS = frozenset({502, 503})
+
+
+class Forwarder:
+    def __init__(
+        self,
+        fleet: Fleet,
+        relay: Relay,
+        metrics: RouterMetrics,
+        *,
+        max_attempts: int,
+        backoff_s: float,
+        backoff_max_s: float,
+    ) -> None:
+        self.fleet = fleet
+        self.relay = relay
+        self.metrics = metrics
+        self.max_attempts = max(1, max_attempts)
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._rng = random.Random()
+
+    async def forward(
+        self,
+        req: RoutedRequest,
+        ranked: list[Worker],
+        headers: dict[str, str],
+        request_id: bytes,
+        send: Send,
+        started: float,
+    ) -> tuple[int, str]:
+        """Relay the answer of the first worker that gives one; returns (status, worker id)."""
+        last_error: RouterError | None = None
+        last_5xx: tuple[int, list[tuple[bytes, bytes]], bytes, str] | None = None
+        attempts = min(self.max_attempts, len(ranked))
+        for attempt in range(attempts):
+            worker = ranked[attempt]
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            rank = self.fleet.choose_rank(worker, prompt_tokens=req.prompt_tokens_estimate)
+            url = self.fleet.rank_url(worker, rank) if rank is not None else worker.url
+            attempt_headers = headers
+            if rank is not None and worker.spec.dp_mode == "header":
+                attempt_headers = {**headers, "X-data-parallel-rank": str(rank)}
+            ticket = self.fleet.begin(
+                worker, prompt_tokens=req.prompt_tokens_estimate, dp_rank=rank
+            )
+            outcome = Outcome.CLIENT_ABORT
+            try:
+                try:
+                    resp = await self.relay.open(url + req.route, req.body, attempt_headers)
+                except UpstreamTimeout as exc:
+                    outcome = Outcome.TIMEOUT
+                    last_error = RouterError(
+                        504, f"Upstream timeout: {exc}", code="upstream_timeout"
+                    )
+                    self.metrics.retries.labels("timeout").inc()
+                    continue
+                except (aiohttp.ClientConnectionError, OSError) as exc:
+                    outcome = Outcome.CONNECT_ERROR
+                    last_error = RouterError(
+                        502, f"Upstream unreachable: {exc}", code="upstream_unreachable"
+                    )
+                    self.metrics.retries.labels("connect_error").inc()
+                    continue
+                try:
+                    if resp.status in RETRYABLE_STATUS and attempt + 1 < attempts:
+                        await resp.read()
+                        outcome = Outcome.SERVER_ERROR
+                        self.metrics.retries.labels(f"status_{resp.status}").inc()
+                        continue
+                    if resp.status in RETRYABLE_STATUS:
+                        last_5xx = (
+                            resp.status,
+                            response_headers(resp, request_id),
+                            await self.relay.read_all(resp),
+                            worker.id,
+                        )
+                        outcome = Outcome.SERVER_ERROR
+                        break
+                    try:
+                        await self._relay_response(req, resp, request_id, send, started, ticket)
+                    except UpstreamTimeout:
+                        outcome = Outcome.TIMEOUT
+                        raise
+                    except aiohttp.ClientError:
+                        outcome = Outcome.SERVER_ERROR
+                        raise
+                    outcome = Outcome.SERVER_ERROR if resp.status >= 500 else Outcome.SUCCESS
+                    return resp.status, worker.id
+                finally:
+                    resp.close()
+            finally:
+                self.fleet.end(ticket, outcome)
+        self.metrics.retries.labels("exhausted").inc()
+        if last_5xx is not None:
+            status, resp_headers, body, worker_id = last_5xx
+            resp_headers = [(k, v) for k, v in resp_headers if k != b"content-length"]
+            resp_headers.append((b"content-length", str(len(body)).encode()))
+            await send({"type": "http.response.start", "status": status, "headers": resp_headers})
+            await send({"type": "http.response.body", "body": body})
+            return status, worker_id
+        assert last_error is not None
+        raise last_error
+
+    async def _relay_response(
+        self,
+        req: RoutedRequest,
+        resp: aiohttp.ClientResponse,
+        request_id: bytes,
+        send: Send,
+        started: float,
+        ticket: Ticket,
+    ) -> None:
+        out_headers = response_headers(resp, request_id)
+        ttft = self.metrics.ttft.labels(req.route)
+        content_type = resp.headers.get("Content-Type", "")
+        if content_type.startswith("text/event-stream"):
+            await send(
+                {"type": "http.response.start", "status": resp.status, "headers": out_headers}
+            )
+            await self.relay.stream(resp, send, self._first_chunk(ttft, started, ticket))
+            await send({"type": "http.response.body", "body": b""})
+            return
+        body = await self.relay.read_all(resp)
+        ttft.observe(time.perf_counter() - started)
+        out_headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _first_chunk(self, ttft: Histogram, started: float, ticket: Ticket) -> Callable[[], None]:
+        def mark() -> None:
+            ttft.observe(time.perf_counter() - started)
+            self.fleet.first_token(ticket)
+
+        return mark
+
+    def _backoff(self, attempt: int) -> float:
+        base = min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1)))
+        return base * self._rng.uniform(0.5, 1.5)

@@ -1,0 +1,50 @@
+"""Router metrics in Prometheus form, on a registry of its own (one per app instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "switchyard_router_requests",
+            "Requests answered, by route, status and worker ('none' if answered by the router).",
+            ["route", "status", "worker"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "switchyard_router_request_duration_seconds",
+            "End-to-end latency seen by the router, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "switchyard_router_time_to_first_byte_seconds",
+            "Time from request arrival to the first upstream body byte (TTFT for streams).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "switchyard_router_retries",
+            "Attempts retried on another worker, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "switchyard_router_routing_decisions",
+            "First-choice routing decisions, by policy and worker.",
+            ["policy", "worker"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "switchyard_router_client_disconnects",
+            "Client disconnects that aborted the upstream request.",
+            registry=r,
+        )

@@ -1,0 +1,1 @@
+"""The scheduler framework: filters drop candidates, scorers rate them, a picker orders them."""

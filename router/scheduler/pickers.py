@@ -1,0 +1,131 @@
+"""Pickers: turn combined scores into a preference order (the first is the pick)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from router.scheduler.framework import Context
+
+if TYPE_CHECKING:
+    from balancer.worker import Worker
+
+
+def _by_score(workers: list[Worker], scores: list[float], rng: random.Random) -> list[Worker]:
+    """Highest score first; ties broken at random so equal workers share the load."""
+    keyed = sorted(
+        zip(scores, [rng.random() for _ in workers], range(len(workers)), strict=True), reverse=True
+    )
+    return [workers[i] for _, _, i in keyed]
+
+
+class RoundRobinPicker:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        ranked = sorted(workers, key=lambda w: w.id)
+        start = next(self._counter) % len(ranked)
+        return ranked[start:] + ranked[:start]
+
+
+class RandomPicker:
+    name = "random"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        return self._rng.sample(workers, len(workers))
+
+
+class MaxScorePicker:
+    name = "max_score"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        return _by_score(workers, scores, self._rng)
+
+
+class PowerOfTwoPicker:
+    """Sample two candidates, prefer the better: near-least-load without herding."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        if len(workers) <= 2:
+            return _by_score(workers, scores, self._rng)
+        i, j = self._rng.sample(range(len(workers)), 2)
+        first, second = (i, j) if scores[i] >= scores[j] else (j, i)
+        rest = [k for k in range(len(workers)) if k not in (i, j)]
+        ordered_rest = _by_score([workers[k] for k in rest], [scores[k] for k in rest], self._rng)
+        return [workers[first], workers[second], *ordered_rest]
+
+
+class ConsistentHashPicker:
+    """Session affinity on a hash ring, with bounded load (Mirrokni, Thorup, Zadimoghaddam).
+
+    A worker is skipped while its in-flight count would exceed ``load_factor`` times
+    the fleet mean, so one hot session cannot sink a worker; requests without a
+    session key go to the least-loaded worker.
+    """
+
+    name = "consistent_hash"
+
+    def __init__(
+        self, load_factor: float = 1.25, vnodes: int = 64, seed: int | None = None
+    ) -> None:
+        if load_factor < 1.0:
+            raise ValueError("consistent_hash load_factor must be >= 1.0")
+        self.load_factor = load_factor
+        self.vnodes = vnodes
+        self._rng = random.Random(seed)
+        self._ring_ids: tuple[str, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, workers: list[Worker]) -> None:
+        ids = tuple(sorted(w.id for w in workers))
+        if ids == self._ring_ids:
+            return
+        pairs = sorted(
+            (xxhash.xxh3_64_intdigest(f"{wid}#{v}".encode()), wid)
+            for wid in ids
+            for v in range(self.vnodes)
+        )
+        self._points = [p for p, _ in pairs]
+        self._owners = [o for _, o in pairs]
+        self._ring_ids = ids
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        if ctx.session_key is None:
+            return _by_score(workers, scores, self._rng)
+        self._ring(workers)
+        by_id = {w.id: w for w in workers}
+        start = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(ctx.session_key.encode()))
+        walk: list[Worker] = []
+        seen: set[str] = set()
+        n = len(self._owners)
+        for k in range(n):
+            wid = self._owners[(start + k) % n]
+            if wid not in seen:
+                seen.add(wid)
+                walk.append(by_id[wid])
+                if len(walk) == len(workers):
+                    break
+        total = sum(w.inflight for w in workers)
+        capacity = math.ceil(self.load_factor * (total + 1) / len(workers))
+        fits = [w for w in walk if w.inflight < capacity]
+        return fits + [w for w in walk if w.inflight >= capacity]

@@ -1,0 +1,95 @@
+"""A scriptable OpenAI-ish backend for router tests, served by aiohttp in a thread.
+
+The mock engine is the realistic backend; this one exists to control exactly what
+the router sees (status codes, hangs, slow streams) and to timestamp when the
+router closed a connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+from tests.support import free_port
+
+
+@dataclass
+class StubState:
+    status: int = 200
+    hang: bool = False
+    chunk_interval_s: float = 0.05
+    models: list[str] = field(default_factory=lambda: ["stub-model"])
+    requests: int = 0
+    last_headers: dict[str, str] = field(default_factory=dict)
+    last_body: bytes = b""
+    disconnected_at: list[float] = field(default_factory=list)
+
+
+class StubBackend:
+    def __init__(self) -> None:
+        self.state = StubState()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def start(self) -> StubBackend:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/embeddings", self._completion)
+        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "stub"} for m in self.state.models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        s = self.state
+        s.requests += 1
+        s.last_headers = dict(request.headers)
+        s.last_body = await request.read()
+        if s.hang:
+            await asyncio.sleep(3600)
+        if s.status != 200:
+            return web.json_response(
+                {"error": {"message": "stub failure", "type": "server_error", "code": s.status}},
+                status=s.status,
+            )
+        body = orjson.loads(s.last_body)
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-stub", "object": "text_completion", "echo": body})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for i in range(100_000):
+                await resp.write(b'data: {"i": %d}\n\n' % i)
+                await asyncio.sleep(s.chunk_interval_s)
+        except (asyncio.CancelledError, ConnectionResetError):
+            s.disconnected_at.append(time.monotonic())
+            raise
+        return resp
