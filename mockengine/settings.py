@@ -27,6 +27,8 @@ class MockSettings(ServiceSettings):
     model: str = "mock-model"
     tokenizer: str = DEFAULT_TOKENIZER
     max_model_len: int = 131072
+    # vLLM chat defaults to the remaining context; a mock keeps loads controllable.
+    default_max_tokens: int = 16
     role: Role = "unified"
     engine_id: str = ""
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from balancer.cli import register as register_balancer
+from mockengine.cli import register as register_mock
 from router.cli import register as register_router
 
 app = typer.Typer(
@@ -12,6 +14,8 @@ app = typer.Typer(
     add_completion=False,
 )
 register_router(app)
+register_mock(app)
+register_balancer(app)
 
 
 @app.callback()
