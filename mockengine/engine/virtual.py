@@ -1,0 +1,170 @@
+"""The virtual clock: discrete-event simulation of one or many engines on the same core.
+
+Each engine alternates exactly as under the real clock: a step starts at model time ``t``
+with whatever is queued, its tokens appear at ``t + duration``, and the next step starts
+then. Requests arriving mid-step wait for the next one. An engine with nothing to schedule
+sleeps until the next arrival or the next due P/D transfer. Nothing here sleeps, so a
+fleet of thousands of engines runs as fast as the steps can be computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from mockengine.engine.api import EngineRequest, EngineStats, FinishReason
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.core import EngineCore
+from mockengine.engine.events import KVEventBatch
+
+_ARRIVAL, _STEP_DONE, _WAKE = 0, 1, 2
+
+# A router policy: (fleet, now, request) -> engine index, called at the arrival time.
+Router = Callable[["VirtualFleet", float, EngineRequest], int]
+
+
+@dataclass(slots=True)
+class RequestResult:
+    request_id: str
+    engine_index: int
+    arrival: float
+    prompt_tokens: int
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    output_tokens: int = 0
+    finish_reason: FinishReason | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+class _Engine:
+    __slots__ = ("core", "busy", "wake_at")
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.busy = False
+        self.wake_at: float | None = None
+
+
+class VirtualFleet:
+    """Many engine cores on one virtual clock, with an optional routing hook."""
+
+    def __init__(
+        self,
+        configs: Sequence[EngineConfig],
+        router: Router | None = None,
+        event_sinks: Sequence[Callable[[KVEventBatch], None] | None] | None = None,
+        record_token_times: bool = True,
+    ) -> None:
+        sinks = list(event_sinks) if event_sinks is not None else [None] * len(configs)
+        self.engines = [_Engine(EngineCore(c, 0, s)) for c, s in zip(configs, sinks, strict=True)]
+        self.router = router
+        self.record_token_times = record_token_times
+        self.now = 0.0
+        self.results: dict[str, RequestResult] = {}
+        self.finished: list[RequestResult] = []
+        self._heap: list[tuple[float, int, int, object]] = []
+        self._tie = itertools.count()
+
+    @property
+    def cores(self) -> list[EngineCore]:
+        return [e.core for e in self.engines]
+
+    def stats(self, engine_index: int) -> EngineStats:
+        return self.engines[engine_index].core.stats()
+
+    def submit(self, t: float, engine_index: int | None, request: EngineRequest) -> None:
+        """Schedule an arrival; ``engine_index=None`` asks the router at time ``t``."""
+        heapq.heappush(self._heap, (t, next(self._tie), _ARRIVAL, (engine_index, request)))
+
+    def run(self, until: float | None = None) -> list[RequestResult]:
+        """Advance until no event is left (or ``until``); returns requests finished so far."""
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            if until is not None and heap[0][0] > until:
+                self.now = until
+                break
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            if kind == _STEP_DONE:
+                self._step_done(t, payload)  # type: ignore[arg-type]
+            elif kind == _ARRIVAL:
+                self._arrive(t, *payload)  # type: ignore[misc]
+            else:
+                eng = self.engines[payload]  # type: ignore[index]
+                if eng.wake_at == t:
+                    eng.wake_at = None
+                if not eng.busy:
+                    self._start_step(payload, t)  # type: ignore[arg-type]
+        return self.finished
+
+    def _arrive(self, t: float, engine_index: int | None, request: EngineRequest) -> None:
+        if engine_index is None:
+            if self.router is None:
+                raise ValueError("no engine index and no router")
+            engine_index = self.router(self, t, request)
+        eng = self.engines[engine_index]
+        seq = eng.core.add_request(request)
+        result = RequestResult(request.request_id, engine_index, t, len(request.prompt_token_ids))
+        seq.sink = result
+        self.results[request.request_id] = result
+        if not eng.busy:
+            self._start_step(engine_index, t)
+
+    def _start_step(self, index: int, t: float) -> None:
+        eng = self.engines[index]
+        core = eng.core
+        if not core.ready(t):
+            core.expire_held(t)
+            due = core.next_wakeup()
+            if due is not None and (eng.wake_at is None or due < eng.wake_at):
+                eng.wake_at = due
+                heapq.heappush(self._heap, (due, next(self._tie), _WAKE, index))
+            return
+        result = core.step(t)
+        eng.busy = True
+        done = t + result.duration
+        heapq.heappush(self._heap, (done, next(self._tie), _STEP_DONE, (index, result.progressed)))
+
+    def _step_done(self, t: float, payload: tuple[int, list]) -> None:
+        index, progressed = payload
+        record = self.record_token_times
+        for seq in progressed:
+            res: RequestResult = seq.sink
+            if res.first_token_time is None:
+                res.first_token_time = t
+                res.num_cached_tokens = seq.num_cached_tokens
+            if record:
+                res.token_times.append(t)
+            res.output_tokens = seq.num_generated
+            if seq.finished:
+                res.finish_time = t
+                res.finish_reason = seq.finish_reason
+                self.finished.append(res)
+        self.engines[index].busy = False
+        self._start_step(index, t)
+
+
+def simulate(
+    config: EngineConfig, arrivals: Iterable[tuple[float, EngineRequest]]
+) -> list[RequestResult]:
+    """Run one engine over ``(arrival_time, request)`` pairs; results in arrival order."""
+    fleet = VirtualFleet([config])
+    order: list[str] = []
+    for t, req in arrivals:
+        fleet.submit(t, 0, req)
+        order.append(req.request_id)
+    fleet.run()
+    return [fleet.results[rid] for rid in order]
