@@ -1,0 +1,294 @@
+"""The balancer as its own service (FastAPI): fleet state, picks and tickets, admin, metrics.
+
+Routers that delegate call ``POST /v1/pick`` (the service chooses and counts the
+request) or pick themselves from ``GET /v1/workers`` and report through
+``/v1/tickets`` (what ``RemoteFleet`` does). Admin endpoints need the admin key
+when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from pydantic import BaseModel, Field
+
+from balancer.fleet import Fleet
+from balancer.settings import BalancerSettings
+from balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
+
+
+class WorkerBody(BaseModel):
+    """A worker to add: a spec string (``http://h:p;role=...``) or the spec's fields."""
+
+    spec: str | None = None
+    url: str | None = None
+    models: list[str] = []
+    role: Role = Role.UNIFIED
+    flavor: str | None = None
+    dp_size: int = 1
+    dp_mode: str = "header"
+    rank_urls: list[str] = []
+    kv_events: str | None = None
+    bootstrap_port: int | None = None
+
+    def to_spec(self) -> WorkerSpec:
+        if self.spec:
+            return WorkerSpec.parse(self.spec)
+        if not self.url:
+            raise ValueError("either 'spec' or 'url' is required")
+        return WorkerSpec.from_any(self.model_dump(exclude={"spec"}))
+
+
+class PickRequest(BaseModel):
+    model: str | None = None
+    role: Role = Role.UNIFIED
+    prompt_tokens: int = 0
+    exclude: list[str] = []
+    begin: bool = Field(True, description="count the request in flight and return a ticket")
+
+
+class PickResponse(BaseModel):
+    worker_id: str
+    url: str
+    rank: int | None
+    rank_url: str
+    ticket: str | None
+    headers: dict[str, str]
+
+
+class TicketOpen(BaseModel):
+    worker_id: str
+    prompt_tokens: int = 0
+    rank: int | None = None
+    id: str | None = Field(None, description="client-chosen ticket id (must be unique)")
+
+
+class TicketEnd(BaseModel):
+    outcome: Outcome = Outcome.SUCCESS
+
+
+class Tickets:
+    """Tickets handed to remote routers; forgotten ones end as aborts after ``ticket_ttl``."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.open: dict[str, tuple[Ticket, float]] = {}
+
+    def add(self, ticket: Ticket, ticket_id: str | None = None) -> str:
+        if ticket_id:
+            ticket.id = ticket_id
+        self.open[ticket.id] = (ticket, time.monotonic())
+        return ticket.id
+
+    def take(self, ticket_id: str) -> Ticket:
+        entry = self.open.get(ticket_id)
+        if entry is None:
+            raise HTTPException(404, f"unknown ticket {ticket_id}")
+        return entry[0]
+
+    def end(self, ticket_id: str, outcome: Outcome) -> None:
+        ticket = self.take(ticket_id)
+        del self.open[ticket_id]
+        self.fleet.end(ticket, outcome)
+
+    def expire(self) -> int:
+        cutoff = time.monotonic() - self.fleet.settings.ticket_ttl
+        old = [tid for tid, (_, at) in self.open.items() if at < cutoff]
+        for tid in old:
+            self.end(tid, Outcome.CLIENT_ABORT)
+        return len(old)
+
+
+class FleetCollector:
+    """Prometheus view of the fleet, computed at scrape time."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["worker", "role"]
+        healthy = GaugeMetricFamily(
+            "switchyard_balancer_worker_healthy", "1 if probes pass", labels=labels
+        )
+        routable = GaugeMetricFamily(
+            "switchyard_balancer_worker_routable", "1 if it may take requests now", labels=labels
+        )
+        circuit = GaugeMetricFamily(
+            "switchyard_balancer_worker_circuit_open",
+            "0 closed, 1 open, 0.5 half-open",
+            labels=labels,
+        )
+        inflight = GaugeMetricFamily(
+            "switchyard_balancer_worker_inflight", "in-flight requests, all routers", labels=labels
+        )
+        score = GaugeMetricFamily(
+            "switchyard_balancer_worker_load_score", "combined load score", labels=labels
+        )
+        rank_labels = ["worker", "rank"]
+        rank_inflight = GaugeMetricFamily(
+            "switchyard_balancer_rank_inflight", "in-flight requests per rank", labels=rank_labels
+        )
+        rank_tokens = GaugeMetricFamily(
+            "switchyard_balancer_rank_tokens",
+            "in-flight prefill plus decode context tokens per DP rank",
+            labels=rank_labels,
+        )
+        now = time.monotonic()
+        for w in self.fleet.workers():
+            lv = [w.id, str(w.role)]
+            healthy.add_metric(lv, float(w.healthy))
+            routable.add_metric(lv, float(w.routable(now)))
+            circuit.add_metric(lv, {"closed": 0.0, "open": 1.0}.get(w.circuit, 0.5))
+            inflight.add_metric(lv, float(w.inflight))
+            score.add_metric(lv, w.load().score)
+            for r in w.rank_loads():
+                rank_inflight.add_metric([w.id, str(r.rank)], float(r.inflight))
+                rank_tokens.add_metric(
+                    [w.id, str(r.rank)], float(r.prefill_tokens + r.decode_tokens)
+                )
+        yield from (healthy, routable, circuit, inflight, score, rank_inflight, rank_tokens)
+
+
+def least_loaded(candidates: list[Worker]) -> Worker:
+    return min(candidates, key=lambda w: (w.load().score, random.random()))
+
+
+def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = None) -> FastAPI:
+    settings = settings or (fleet.settings if fleet else BalancerSettings())
+    fleet = fleet or Fleet(settings)
+    tickets = Tickets(fleet)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(FleetCollector(fleet))
+
+    async def sweep() -> None:
+        while True:
+            await asyncio.sleep(max(1.0, min(settings.ticket_ttl / 4, 30.0)))
+            tickets.expire()
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await fleet.start()
+        task = asyncio.create_task(sweep())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await fleet.stop()
+
+    app = FastAPI(title="Switchyard balancer", lifespan=lifespan)
+    app.state.fleet = fleet
+    app.state.tickets = tickets
+
+    def admin(
+        authorization: str | None = Header(None), x_admin_key: str | None = Header(None)
+    ) -> None:
+        if not settings.admin_key:
+            return
+        given = x_admin_key or (authorization or "").removeprefix("Bearer ").strip()
+        if given != settings.admin_key:
+            raise HTTPException(401, "admin key required")
+
+    def known(worker_id: str) -> Worker:
+        worker = fleet.get(worker_id.rstrip("/"))
+        if worker is None:
+            raise HTTPException(404, f"unknown worker {worker_id}")
+        return worker
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "workers": len(fleet.workers())}
+
+    @app.get("/v1/workers")
+    async def workers() -> dict[str, Any]:
+        peers = fleet.shared.peers if fleet.shared is not None else 0
+        return {"workers": fleet.describe(), "peers": peers}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [{"id": m, "object": "model", "owned_by": "switchyard"} for m in fleet.models()]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/pick", response_model=PickResponse)
+    async def pick(req: PickRequest) -> PickResponse:
+        candidates = [
+            w for w in fleet.candidates(req.model, req.role) if w.id not in set(req.exclude)
+        ]
+        if not candidates:
+            raise HTTPException(503, f"no routable worker for model={req.model} role={req.role}")
+        worker = least_loaded(candidates)
+        rank = fleet.choose_rank(worker, prompt_tokens=req.prompt_tokens)
+        ticket_id = None
+        if req.begin:
+            ticket = fleet.begin(worker, prompt_tokens=req.prompt_tokens, dp_rank=rank)
+            ticket_id = tickets.add(ticket)
+        headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
+        if worker.spec.dp_mode == "urls":
+            headers = {}
+        return PickResponse(
+            worker_id=worker.id,
+            url=worker.url,
+            rank=rank,
+            rank_url=fleet.rank_url(worker, rank or 0),
+            ticket=ticket_id,
+            headers=headers,
+        )
+
+    @app.post("/v1/tickets")
+    async def open_ticket(req: TicketOpen) -> dict[str, str]:
+        worker = known(req.worker_id)
+        if req.id and req.id in tickets.open:
+            raise HTTPException(409, f"ticket {req.id} exists")
+        ticket = fleet.begin(worker, prompt_tokens=req.prompt_tokens, dp_rank=req.rank)
+        return {"ticket": tickets.add(ticket, req.id)}
+
+    @app.post("/v1/tickets/{ticket_id}/first_token")
+    async def first_token(ticket_id: str) -> dict[str, str]:
+        fleet.first_token(tickets.take(ticket_id))
+        return {"ticket": ticket_id}
+
+    @app.post("/v1/tickets/{ticket_id}/end")
+    async def end_ticket(ticket_id: str, req: TicketEnd) -> dict[str, str]:
+        tickets.end(ticket_id, req.outcome)
+        return {"ticket": ticket_id, "outcome": str(req.outcome)}
+
+    @app.post("/admin/workers", dependencies=[Depends(admin)])
+    async def add_worker(body: WorkerBody) -> dict[str, Any]:
+        try:
+            spec = body.to_spec()
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        return fleet.add(spec, source="admin").describe()
+
+    @app.delete("/admin/workers", dependencies=[Depends(admin)])
+    async def remove_worker(worker_id: str = Query(..., alias="id")) -> dict[str, Any]:
+        known(worker_id)
+        return {"removed": fleet.remove(worker_id.rstrip("/"))}
+
+    @app.post("/admin/workers/drain", dependencies=[Depends(admin)])
+    async def drain_worker(
+        worker_id: str = Query(..., alias="id"), remove_when_idle: bool = False
+    ) -> dict[str, Any]:
+        worker = known(worker_id)
+        fleet.drain(worker.id, remove_when_idle=remove_when_idle)
+        return worker.describe()
+
+    @app.post("/admin/workers/undrain", dependencies=[Depends(admin)])
+    async def undrain_worker(worker_id: str = Query(..., alias="id")) -> dict[str, Any]:
+        worker = known(worker_id)
+        fleet.undrain(worker.id)
+        return worker.describe()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

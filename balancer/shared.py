@@ -1,0 +1,200 @@
+"""Sharing fleet state across router replicas through Redis.
+
+In-flight counts: each fleet instance writes a snapshot of its own per-rank
+counters into one hash whose TTL is a lease it renews every sync; peers sum the
+snapshots of the live instances. A crashed instance stops renewing, its hash
+expires, and its counts vanish from everyone's view after one lease.
+
+Registry: workers added, removed or drained through the admin API are stored in a
+hash (so a new replica starts with them) and broadcast on a pub/sub channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from balancer.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from balancer.fleet import Fleet
+
+log = logging.getLogger("switchyard.balancer.redis")
+
+Counts = tuple[int, int, int, int]
+
+
+class RedisShare:
+    """One fleet instance's link to the shared state."""
+
+    def __init__(self, fleet: Fleet, url: str) -> None:
+        self.fleet = fleet
+        self.url = url
+        self.instance = uuid.uuid4().hex[:12]
+        prefix = fleet.settings.redis_prefix
+        self.instances_key = f"{prefix}:instances"
+        self.counts_prefix = f"{prefix}:inflight:"
+        self.registry_key = f"{prefix}:workers"
+        self.channel = f"{prefix}:registry"
+        self.redis: aioredis.Redis = aioredis.from_url(url, decode_responses=True)
+        self.peers = 0
+        self._applying = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Task[Any]] = set()
+
+    async def start(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.channel)
+        for raw in (await self.redis.hgetall(self.registry_key)).values():
+            self._apply({"op": "add", "spec": orjson.loads(raw), "origin": ""})
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._sync_loop(), name="balancer:redis-sync"),
+            loop.create_task(self._listen(pubsub), name="balancer:redis-registry"),
+        ]
+        await self.sync()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._pending, return_exceptions=True)
+        self._tasks.clear()
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self.counts_prefix + self.instance)
+                pipe.zrem(self.instances_key, self.instance)
+                await pipe.execute()
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("could not withdraw counts from redis: %s", exc)
+        await self.redis.aclose()
+
+    # In-flight counts
+
+    def _own_counts(self) -> dict[str, str]:
+        out = {}
+        for worker in self.fleet.workers():
+            for rank, counters in enumerate(worker.ranks):
+                values = counters.local_tuple()
+                if any(values):
+                    out[f"{worker.id}\t{rank}"] = ",".join(map(str, values))
+        return out
+
+    async def sync(self) -> None:
+        """Publish our counts, renew our lease, and fold in the live peers' counts."""
+        lease = self.fleet.settings.lease_seconds
+        now = time.time()
+        own_key = self.counts_prefix + self.instance
+        own = self._own_counts()
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(own_key)
+            if own:
+                pipe.hset(own_key, mapping=own)
+                pipe.pexpire(own_key, int(lease * 1000))
+            pipe.zadd(self.instances_key, {self.instance: now + lease})
+            pipe.zremrangebyscore(self.instances_key, "-inf", now)
+            pipe.zrangebyscore(self.instances_key, now, "+inf")
+            results = await pipe.execute()
+        peers = [p for p in results[-1] if p != self.instance]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for peer in peers:
+                pipe.hgetall(self.counts_prefix + peer)
+            snapshots = await pipe.execute() if peers else []
+        self.peers = len(peers)
+        totals: dict[tuple[str, int], list[int]] = {}
+        for snapshot in snapshots:
+            for field, value in snapshot.items():
+                worker_id, _, rank = field.rpartition("\t")
+                acc = totals.setdefault((worker_id, int(rank)), [0, 0, 0, 0])
+                for i, n in enumerate(value.split(",")):
+                    acc[i] += int(n)
+        self._fold(totals)
+
+    def _fold(self, totals: dict[tuple[str, int], list[int]]) -> None:
+        for worker in self.fleet.workers():
+            remote = 0
+            for rank, counters in enumerate(worker.ranks):
+                inflight, prefill, seqs, ctx = totals.get((worker.id, rank), (0, 0, 0, 0))
+                counters.remote_inflight = inflight
+                counters.remote_prefill_tokens = prefill
+                counters.remote_decode_seqs = seqs
+                counters.remote_decode_tokens = ctx
+                remote += inflight
+            worker.inflight = worker.local_inflight + remote
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.fleet.settings.sync_interval)
+            try:
+                await self.sync()
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("redis sync failed: %s", exc)
+
+    # Registry broadcast
+
+    def publish_add(self, spec: WorkerSpec) -> None:
+        data = spec.to_dict()
+        self._send({"op": "add", "spec": data}, hset=(spec.url, orjson.dumps(data).decode()))
+
+    def publish_remove(self, worker_id: str) -> None:
+        self._send({"op": "remove", "id": worker_id}, hdel=worker_id)
+
+    def publish_drain(self, worker_id: str) -> None:
+        self._send({"op": "drain", "id": worker_id}, hdel=worker_id)
+
+    def _send(
+        self,
+        message: dict[str, Any],
+        hset: tuple[str, str] | None = None,
+        hdel: str | None = None,
+    ) -> None:
+        if self._applying:
+            return
+        message["origin"] = self.instance
+
+        async def send() -> None:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                if hset is not None:
+                    pipe.hset(self.registry_key, hset[0], hset[1])
+                if hdel is not None:
+                    pipe.hdel(self.registry_key, hdel)
+                pipe.publish(self.channel, orjson.dumps(message))
+                await pipe.execute()
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _listen(self, pubsub: Any) -> None:
+        try:
+            async for message in pubsub.listen():
+                if message.get("type") != "message":
+                    continue
+                try:
+                    data = orjson.loads(message["data"])
+                except orjson.JSONDecodeError:
+                    continue
+                if data.get("origin") != self.instance:
+                    self._apply(data)
+        finally:
+            await pubsub.aclose()
+
+    def _apply(self, data: dict[str, Any]) -> None:
+        self._applying = True
+        try:
+            op = data.get("op")
+            if op == "add":
+                self.fleet.add(WorkerSpec.from_any(data["spec"]), source="admin")
+            elif op == "remove":
+                self.fleet.remove(str(data["id"]))
+            elif op == "drain":
+                self.fleet.drain(str(data["id"]))
+        except (KeyError, ValueError, TypeError) as exc:
+            log.error("bad registry message %r: %s", data, exc)
+        finally:
+            self._applying = False
