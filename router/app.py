@@ -96,8 +96,12 @@ class RouterApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             route = self._routes.get(scope["path"])
-            if route is not None and scope["method"] == "POST":
-                await self._handle(route, scope, receive, send)
+            if route is not None:
+                if scope["method"] == "POST":
+                    await self._handle(route, scope, receive, send)
+                else:
+                    error = RouterError(405, f"Method {scope['method']} not allowed; use POST")
+                    await self._send_error(_Response(send), error, b"")
                 return
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)

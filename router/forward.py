@@ -55,9 +55,9 @@ class Forwarder:
         """Relay the answer of the first worker that gives one; returns (status, worker id)."""
         last_error: RouterError | None = None
         last_5xx: tuple[int, list[tuple[bytes, bytes]], bytes, str] | None = None
-        attempts = min(self.max_attempts, len(ranked))
+        attempts = self.max_attempts
         for attempt in range(attempts):
-            worker = ranked[attempt]
+            worker = ranked[attempt % len(ranked)]
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
             rank = self.fleet.choose_rank(worker, prompt_tokens=req.prompt_tokens_estimate)

@@ -45,8 +45,11 @@ class StubBackend:
         return self
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        """Close the listener and every connection; safe to call twice."""
+        if self._runner is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._runner = None
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
 

@@ -1,0 +1,56 @@
+"""Fixtures for router tests: a scriptable stub backend and routers as real processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.router.stub_backend import StubBackend
+from tests.support import Server, free_port
+
+StartRouter = Callable[..., Server]
+
+
+@pytest.fixture
+def stub() -> Iterator[StubBackend]:
+    backend = StubBackend().start()
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture
+def stub2() -> Iterator[StubBackend]:
+    backend = StubBackend().start()
+    yield backend
+    backend.stop()
+
+
+@pytest.fixture
+def start_router(tmp_path: Path) -> Iterator[StartRouter]:
+    """Start ``switchyard router`` with the given workers and optional YAML config sections."""
+    started: list[Server] = []
+
+    def start(*workers: str, config: dict | None = None, args: tuple[str, ...] = ()) -> Server:
+        port = free_port()
+        argv = ["router", "--port", str(port)]
+        for w in workers:
+            argv += ["--worker", w]
+        if config:
+            path = tmp_path / f"router-{port}.yaml"
+            path.write_text(yaml.safe_dump(config))
+            argv += ["--config", str(path)]
+        server = Server([*argv, *args], port).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def dead_url() -> str:
+    """A loopback URL nothing listens on: connections are refused at once."""
+    return f"http://127.0.0.1:{free_port()}"
