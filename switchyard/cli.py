@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from balancer.cli import register as register_balancer
+from kvstore.cli import register as register_kvstore
 from mockengine.cli import register as register_mock
 from router.cli import register as register_router
 
@@ -16,6 +17,7 @@ app = typer.Typer(
 register_router(app)
 register_mock(app)
 register_balancer(app)
+register_kvstore(app)
 
 
 @app.callback()

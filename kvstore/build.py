@@ -1,0 +1,41 @@
+"""Building a ``KVStore`` from settings (embedded in the router or as the service)."""
+
+from __future__ import annotations
+
+from kvstore.index import KVIndex
+from kvstore.memory import MemoryIndex
+from kvstore.redis_index import RedisIndex
+from kvstore.settings import KVStoreSettings
+from kvstore.store import KVStore
+from kvstore.tokenize import RoutingTokenizer
+
+
+def tokenizer_from(settings: KVStoreSettings) -> RoutingTokenizer:
+    if settings.tokenizer:
+        return RoutingTokenizer.from_dir(settings.tokenizer)
+    if settings.tokenize_url:
+        return RoutingTokenizer.from_engine(settings.tokenize_url)
+    return RoutingTokenizer.approximate()
+
+
+def store_from_settings(settings: KVStoreSettings) -> KVStore:
+    index: KVIndex
+    if settings.redis:
+        index = RedisIndex(
+            settings.redis,
+            block_size=settings.block_size,
+            prefix=settings.redis_prefix,
+            idle_ttl_s=settings.redis_idle_ttl_s,
+        )
+    else:
+        index = MemoryIndex(settings.block_size, capacity_blocks=settings.capacity_blocks)
+    store = KVStore(
+        index,
+        seed=settings.seed,
+        tokenizer=tokenizer_from(settings),
+        speculative_ttl_s=settings.speculative_ttl_s,
+        lookup_timeout_s=settings.lookup_timeout_ms / 1000.0,
+    )
+    for sub in settings.subscriptions():
+        store.subscribe(sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank)
+    return store

@@ -1,0 +1,232 @@
+"""The KV store as its own service: FastAPI control plane, OpenAPI documented."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+
+from kvstore.events import EventDecodeError
+from kvstore.store import KVStore
+
+log = logging.getLogger("switchyard.kvstore.service")
+
+
+class LookupRequest(BaseModel):
+    model: str | None = None
+    prompt: str | list[int] | None = Field(None, description="Completion prompt or token ids.")
+    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages.")
+    token_ids: list[int] | None = None
+    candidates: list[str] | None = Field(None, description="Only these instances (base URLs).")
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    include_keys: bool = Field(False, description="Return the block keys (for placements).")
+
+
+class MatchOut(BaseModel):
+    instance: str
+    dp_rank: int
+    tier: str
+    matched_tokens: int
+
+
+class LookupResponse(BaseModel):
+    block_size: int
+    total_tokens: int
+    matches: list[MatchOut]
+    degraded: bool = False
+    exact: bool = True
+    keys: list[int] | None = None
+
+
+class EventsPush(BaseModel):
+    instance: str = Field(description="Engine base URL the events belong to.")
+    seq: int | None = Field(None, description="Publisher sequence number, for gap detection.")
+    dp_rank: int = 0
+    batch: list[Any] | dict[str, Any] = Field(
+        description="EventBatch as [ts, events, rank?] or {ts, events, data_parallel_rank}; "
+        "events as tagged arrays or maps with 'type'; byte hashes as hex strings."
+    )
+
+
+class SubscriptionIn(BaseModel):
+    instance: str
+    endpoint: str = Field(description="The engine's ZMQ PUB endpoint, tcp://HOST:PORT.")
+    replay_endpoint: str | None = None
+    flavor: str = "vllm"
+    dp_rank: int = 0
+
+
+class Placement(BaseModel):
+    keys: list[int]
+    instance: str
+    dp_rank: int = 0
+    ttl_s: float | None = None
+
+
+class LocationOut(BaseModel):
+    dp_rank: int
+    tier: str
+    blocks: int
+
+
+class FeedOut(BaseModel):
+    source: str
+    endpoint: str | None
+    replay_endpoint: str | None
+    last_seq: int | None
+    last_ts: float | None
+    gaps: int
+    replays: int
+
+
+class InstanceOut(BaseModel):
+    instance: str
+    locations: list[LocationOut]
+    feeds: list[FeedOut]
+
+
+def create_app(store: KVStore) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await store.start()
+        try:
+            yield
+        finally:
+            await store.stop()
+
+    app = FastAPI(
+        title="Switchyard KV store",
+        description="Cross-request KV-cache metadata: which engine holds which prefix.",
+        lifespan=lifespan,
+    )
+    app.state.store = store
+
+    @app.post("/v1/lookup", response_model=LookupResponse)
+    async def lookup(req: LookupRequest) -> LookupResponse:
+        """Per engine location, the longest cached prefix of this request, in tokens."""
+        if req.prompt is None and req.messages is None and req.token_ids is None:
+            raise HTTPException(400, "one of prompt, messages or token_ids is required")
+        res = await store.lookup(
+            req.model,
+            prompt=req.prompt,
+            messages=req.messages,
+            token_ids=req.token_ids,
+            candidates=req.candidates,
+            lora_name=req.lora_name,
+            cache_salt=req.cache_salt,
+        )
+        return LookupResponse(
+            block_size=res.block_size,
+            total_tokens=res.total_tokens,
+            matches=[
+                MatchOut(
+                    instance=m.instance,
+                    dp_rank=m.dp_rank,
+                    tier=m.tier,
+                    matched_tokens=m.matched_tokens,
+                )
+                for m in res.matches
+            ],
+            degraded=res.degraded,
+            exact=res.exact,
+            keys=res.keys if req.include_keys else None,
+        )
+
+    @app.post("/v1/events", status_code=204)
+    async def push_events(
+        request: Request,
+        instance: str | None = Query(None, description="For msgpack bodies."),
+        seq: int | None = Query(None, description="For msgpack bodies."),
+        dp_rank: int = Query(0, description="For msgpack bodies."),
+    ) -> Response:
+        """Engine KV events pushed over HTTP: JSON ``EventsPush``, or the raw msgpack
+        ``EventBatch`` payload (``Content-Type: application/msgpack``) with query params."""
+        ctype = request.headers.get("content-type", "")
+        try:
+            if "msgpack" in ctype or "octet-stream" in ctype:
+                if not instance:
+                    raise HTTPException(400, "instance query parameter is required")
+                await store.ingest(instance, await request.body(), seq=seq, dp_rank=dp_rank)
+            else:
+                push = EventsPush.model_validate_json(await request.body())
+                await store.ingest(push.instance, push.batch, seq=push.seq, dp_rank=push.dp_rank)
+        except EventDecodeError as exc:
+            store.metrics.decode_errors.inc()
+            raise HTTPException(400, str(exc)) from exc
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        return Response(status_code=204)
+
+    @app.post("/v1/placements", status_code=204)
+    async def placements(p: Placement) -> Response:
+        """Speculative entries: the router sent these blocks to this engine."""
+        await store.record_placement(p.keys, p.instance, p.dp_rank, p.ttl_s)
+        return Response(status_code=204)
+
+    @app.post("/v1/subscriptions", status_code=204)
+    async def subscribe(sub: SubscriptionIn) -> Response:
+        """Follow one more engine publisher (e.g. from the balancer's worker registry)."""
+        try:
+            store.subscribe(
+                sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank
+            )
+        except ValueError as exc:
+            raise HTTPException(422, str(exc)) from exc
+        return Response(status_code=204)
+
+    @app.get("/v1/instances", response_model=list[InstanceOut])
+    async def instances() -> list[InstanceOut]:
+        """Known engine instances: indexed blocks per (rank, tier) and event feeds."""
+        out: dict[str, InstanceOut] = {}
+        for info in await store.locations():
+            loc = info.location
+            entry = out.setdefault(
+                loc.instance, InstanceOut(instance=loc.instance, locations=[], feeds=[])
+            )
+            entry.locations.append(
+                LocationOut(dp_rank=loc.dp_rank, tier=loc.tier, blocks=info.blocks)
+            )
+        for f in store.feeds():
+            entry = out.setdefault(
+                f.instance, InstanceOut(instance=f.instance, locations=[], feeds=[])
+            )
+            entry.feeds.append(
+                FeedOut(
+                    source=f.source,
+                    endpoint=f.endpoint,
+                    replay_endpoint=f.replay_endpoint,
+                    last_seq=f.last_seq,
+                    last_ts=f.last_ts,
+                    gaps=f.gaps,
+                    replays=f.replays,
+                )
+            )
+        return sorted(out.values(), key=lambda i: i.instance)
+
+    @app.delete("/v1/instances/{instance:path}", status_code=204)
+    async def delete_instance(instance: str, dp_rank: int | None = None) -> Response:
+        """Forget an instance's blocks (all ranks, or one)."""
+        await store.clear_instance(instance, dp_rank)
+        return Response(status_code=204)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await store.index_size()
+        return Response(generate_latest(store.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "backend": store.index.kind,
+            "degraded": store.degraded,
+            "block_size": store.block_size,
+        }
+
+    return app

@@ -1,0 +1,417 @@
+"""The KV store the router holds: tokenize, key, look up; ingest engine events.
+
+Backend failures never reach the caller of ``lookup``: when the backend (Redis) is
+unreachable or slower than ``lookup_timeout_s``, the answer is "no information"
+(``degraded=True``, no matches), so routing goes on without cache affinity. A
+background probe notices when the backend is back; nothing needs a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import zmq.asyncio
+
+from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
+from kvstore.feed import Feed, FeedInfo, Verdict
+from kvstore.index import KVIndex, Location, LocationInfo, Match
+from kvstore.ingest import Ingestor
+from kvstore.keys import block_keys, key_extra
+from kvstore.memory import MemoryIndex
+from kvstore.metrics import KVStoreMetrics
+from kvstore.subscriber import Subscriber, request_replay
+from kvstore.tokenize import RoutingTokenizer
+
+log = logging.getLogger("switchyard.kvstore")
+
+T = TypeVar("T")
+
+DEFAULT_SPECULATIVE_TTL_S = 30.0
+
+
+@dataclass
+class LookupResult:
+    block_size: int
+    total_tokens: int
+    keys: list[int]
+    matches: list[Match]
+    degraded: bool = False
+    exact: bool = True  # False when the tokens came from the approximate character mode
+
+
+class KVStore:
+    def __init__(
+        self,
+        index: KVIndex | None = None,
+        *,
+        block_size: int = 16,
+        seed: int = 0,
+        tokenizer: RoutingTokenizer | None = None,
+        model_tokenizers: dict[str, RoutingTokenizer] | None = None,
+        speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S,
+        lookup_timeout_s: float = 0.02,
+        update_timeout_s: float = 1.0,
+        probe_interval_s: float = 0.25,
+        replay_timeout_s: float = 1.0,
+        metrics: KVStoreMetrics | None = None,
+    ) -> None:
+        self.index: KVIndex = index if index is not None else MemoryIndex(block_size)
+        self.block_size = self.index.block_size
+        self.seed = seed
+        self.tokenizer = tokenizer or RoutingTokenizer.approximate()
+        self.model_tokenizers = dict(model_tokenizers or {})
+        self.speculative_ttl_s = speculative_ttl_s
+        self.lookup_timeout_s = lookup_timeout_s
+        self.update_timeout_s = update_timeout_s
+        self.probe_interval_s = probe_interval_s
+        self.replay_timeout_s = replay_timeout_s
+        self.metrics = metrics or KVStoreMetrics()
+        self.degraded = False
+        self._ctx: zmq.asyncio.Context | None = None
+        self._subscribers: dict[str, Subscriber] = {}
+        self._http_feeds: dict[str, Feed] = {}
+        self._probe: asyncio.Task[None] | None = None
+        self._started = False
+        self._timeouts_in_row = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        for sub in self._subscribers.values():
+            sub.start()
+        if self.index.kind != "memory":
+            try:
+                await asyncio.wait_for(self.index.ping(), self.update_timeout_s)
+            except Exception as exc:
+                self._mark_down(exc)
+
+    async def stop(self) -> None:
+        for sub in self._subscribers.values():
+            await sub.stop()
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+        await self.index.close()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+        self._started = False
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def tokenizer_for(self, model: str | None) -> RoutingTokenizer:
+        if model is not None and model in self.model_tokenizers:
+            return self.model_tokenizers[model]
+        return self.tokenizer
+
+    async def tokenize(
+        self,
+        model: str | None,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        token_ids: list[int] | None = None,
+    ) -> tuple[list[int], bool]:
+        """Token ids of a request and whether they are exact."""
+        if token_ids is not None:
+            return list(token_ids), True
+        tok = self.tokenizer_for(model)
+        t0 = time.perf_counter()
+        if messages is not None:
+            ids = await tok.aencode_chat(messages)
+        elif prompt is not None:
+            ids = await tok.aencode_prompt(prompt)
+        else:
+            raise ValueError("one of prompt, messages or token_ids is required")
+        self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+        return ids, tok.exact or isinstance(prompt, list)
+
+    def keys_for(
+        self, token_ids: list[int], lora_name: str | None = None, cache_salt: str | None = None
+    ) -> list[int]:
+        return block_keys(token_ids, self.block_size, self.seed, key_extra(lora_name, cache_salt))
+
+    async def lookup(
+        self,
+        model: str | None,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        token_ids: list[int] | None = None,
+        candidates: list[str] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> LookupResult:
+        tokens, exact = await self.tokenize(
+            model, prompt=prompt, messages=messages, token_ids=token_ids
+        )
+        keys = self.keys_for(tokens, lora_name, cache_salt)
+        result = LookupResult(self.block_size, len(tokens), keys, [], exact=exact)
+        if not keys:
+            self.metrics.lookups.labels("empty").inc()
+            return result
+        result.matches, result.degraded = await self.lookup_keys(keys, candidates)
+        return result
+
+    async def lookup_keys(
+        self, keys: list[int], candidates: list[str] | None = None
+    ) -> tuple[list[Match], bool]:
+        """Matches for precomputed keys, and whether the answer is degraded."""
+        m = self.metrics
+        if self.degraded:
+            m.lookups.labels("degraded").inc()
+            return [], True
+        t0 = time.perf_counter()
+        try:
+            if self.index.kind == "memory":
+                matches = await self.index.lookup(keys, candidates)
+            else:
+                matches = await asyncio.wait_for(
+                    self.index.lookup(keys, candidates), self.lookup_timeout_s
+                )
+        except TimeoutError:
+            m.lookups.labels("timeout").inc()
+            m.backend_errors.labels("lookup").inc()
+            self._timeouts_in_row += 1
+            if self._timeouts_in_row >= 3:
+                self._mark_down(TimeoutError(f"3 lookups over {self.lookup_timeout_s * 1e3:g} ms"))
+            return [], True
+        except Exception as exc:
+            m.lookups.labels("error").inc()
+            m.backend_errors.labels("lookup").inc()
+            self._mark_down(exc)
+            return [], True
+        self._timeouts_in_row = 0
+        m.lookup_seconds.observe(time.perf_counter() - t0)
+        m.lookups.labels("ok").inc()
+        return matches, False
+
+    # -- updates ---------------------------------------------------------------------------
+
+    async def _guard(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
+        """Run a backend update unless degraded; failures are counted, never raised."""
+        if self.degraded:
+            self.metrics.backend_errors.labels(op).inc()
+            return None
+        try:
+            if self.index.kind == "memory":
+                return await call()
+            return await asyncio.wait_for(call(), self.update_timeout_s)
+        except Exception as exc:
+            self.metrics.backend_errors.labels(op).inc()
+            self._mark_down(exc)
+            return None
+
+    async def record_placement(
+        self,
+        keys: list[int],
+        instance: str,
+        dp_rank: int = 0,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Speculative entries: where the router sent a request, until ``ttl_s`` passes."""
+        ttl = self.speculative_ttl_s if ttl_s is None else ttl_s
+        loc = Location(instance, dp_rank, "gpu")
+        await self._guard("record_placement", lambda: self.index.add(keys, loc, ttl))
+
+    async def clear_instance(self, instance: str, dp_rank: int | None = None) -> None:
+        await self._guard("clear", lambda: self.index.clear(instance, dp_rank))
+        self.metrics.clears.labels(instance, "api").inc()
+
+    async def locations(self) -> list[LocationInfo]:
+        return await self._guard("locations", self.index.locations) or []
+
+    async def index_size(self) -> int:
+        size = await self._guard("size", self.index.size) or 0
+        self.metrics.index_blocks.set(size)
+        return size
+
+    def feeds(self) -> list[FeedInfo]:
+        return [s.feed.info() for s in self._subscribers.values()] + [
+            f.info() for f in self._http_feeds.values()
+        ]
+
+    # -- event ingestion -------------------------------------------------------------------
+
+    def _ingestor(self, instance: str, dp_rank: int) -> Ingestor:
+        return Ingestor(instance, self.block_size, self.seed, default_rank=dp_rank)
+
+    def subscribe(
+        self,
+        instance: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        flavor: str = "vllm",
+        dp_rank: int = 0,
+    ) -> None:
+        """Follow an engine's ZMQ publisher (vLLM or SGLang: the envelope is the same).
+
+        ``dp_rank`` is used only for batches that do not carry ``data_parallel_rank``.
+        """
+        if flavor not in ("vllm", "sglang"):
+            raise ValueError(f"unknown event flavor {flavor!r}")
+        if endpoint in self._subscribers:
+            return
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
+        sub = Subscriber(self._ctx, feed, self._on_frame)
+        self._subscribers[endpoint] = sub
+        if self._started:
+            sub.start()
+
+    async def unsubscribe(self, endpoint: str) -> None:
+        sub = self._subscribers.pop(endpoint, None)
+        if sub is not None:
+            await sub.stop()
+
+    async def _on_frame(self, feed: Feed, seq: int, payload: bytes) -> None:
+        verdict = feed.classify(seq)
+        if verdict is Verdict.DUPLICATE:
+            return
+        if verdict is Verdict.RESTART:
+            log.warning("%s: publisher restarted (seq %s -> %d)", feed.instance, feed.last_seq, seq)
+            await self._clear_feed(feed, "restart")
+            feed.ingestor.forget()
+            feed.dup_floor = None
+        elif verdict is Verdict.GAP:
+            await self._handle_gap(feed, seq)
+            if feed.last_seq is not None and seq <= feed.last_seq:
+                return
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError:
+            self.metrics.decode_errors.inc()
+            feed.last_seq = seq
+            raise
+        await self._apply(feed, batch)
+        feed.last_seq = seq
+
+    async def _handle_gap(self, feed: Feed, seq: int) -> None:
+        assert feed.last_seq is not None
+        start = feed.last_seq + 1
+        feed.gaps += 1
+        self.metrics.gaps.labels(feed.instance).inc()
+        log.warning("%s: sequence gap %d..%d", feed.instance, start, seq - 1)
+        if feed.replay_endpoint is not None and self._ctx is not None:
+            feed.replays += 1
+            got = await request_replay(
+                self._ctx, feed.replay_endpoint, start, self.replay_timeout_s
+            )
+            if got and got[0][0] == start:
+                self.metrics.replays.labels(feed.instance, "ok").inc()
+                feed.dup_floor = feed.last_seq
+                for rseq, payload in got:
+                    if rseq > feed.last_seq:
+                        try:
+                            await self._apply(feed, decode_batch(payload))
+                        except EventDecodeError:
+                            self.metrics.decode_errors.inc()
+                        feed.last_seq = rseq
+                return
+            self.metrics.replays.labels(feed.instance, "failed").inc()
+        await self._clear_feed(feed, "gap")
+
+    async def _clear_feed(self, feed: Feed, reason: str) -> None:
+        """Forget what this publisher told us (its index entries); its hash map stays valid."""
+        ranks = sorted(feed.ingestor.ranks_seen) or [None]
+        for rank in ranks:
+            await self._guard("clear", lambda r=rank: self.index.clear(feed.instance, r))
+        self.metrics.clears.labels(feed.instance, reason).inc()
+
+    async def _apply(self, feed: Feed, batch: EventBatch) -> None:
+        st = feed.ingestor.stats
+        before = (st.blocks_stored, st.blocks_removed, st.orphan_blocks)
+        ops = feed.ingestor.ops(batch)
+        m = self.metrics
+        m.event_batches.labels(feed.instance).inc()
+        m.events.inc(len(batch.events))
+        if batch.ts:
+            feed.last_ts = batch.ts
+            m.lag.labels(feed.instance).set(max(0.0, time.time() - batch.ts))
+        if ops:
+            await self._guard("apply", lambda: self.index.apply(ops))
+        m.blocks_stored.inc(st.blocks_stored - before[0])
+        m.blocks_removed.inc(st.blocks_removed - before[1])
+        m.orphan_blocks.inc(st.orphan_blocks - before[2])
+
+    async def ingest(
+        self,
+        instance: str,
+        batch: bytes | dict[str, Any] | list[Any] | EventBatch,
+        seq: int | None = None,
+        dp_rank: int = 0,
+    ) -> None:
+        """Events pushed over HTTP (``POST /v1/events``): same payload, same semantics.
+
+        Without a replay channel a gap clears the instance; without ``seq`` no gap
+        can be seen, so every batch is applied as it comes.
+        """
+        feed = self._http_feeds.get(instance)
+        if feed is None:
+            feed = self._http_feeds[instance] = Feed(self._ingestor(instance, dp_rank), "http")
+        if isinstance(batch, bytes):
+            decoded = decode_batch(batch)
+        elif isinstance(batch, EventBatch):
+            decoded = batch
+        else:
+            decoded = decode_batch_obj(batch)
+        if seq is not None:
+            verdict = feed.classify(seq)
+            if verdict is Verdict.DUPLICATE:
+                return
+            if verdict is Verdict.GAP:
+                feed.gaps += 1
+                self.metrics.gaps.labels(instance).inc()
+                await self._clear_feed(feed, "gap")
+            elif verdict is Verdict.RESTART:
+                await self._clear_feed(feed, "restart")
+                feed.ingestor.forget()
+        await self._apply(feed, decoded)
+        if seq is not None:
+            feed.last_seq = seq
+
+    # -- degraded mode ---------------------------------------------------------------------
+
+    def _mark_down(self, exc: BaseException) -> None:
+        if self.degraded:
+            return
+        self.degraded = True
+        self.metrics.degraded.set(1)
+        self.metrics.degraded_incidents.inc()
+        log.warning(
+            "kvstore backend %s unreachable (%s: %s); lookups answer 'no information' until it "
+            "returns",
+            self.index.kind,
+            type(exc).__name__,
+            exc,
+        )
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_until_up())
+
+    async def _probe_until_up(self) -> None:
+        down_since = time.monotonic()
+        while self.degraded:
+            await asyncio.sleep(self.probe_interval_s)
+            try:
+                await asyncio.wait_for(self.index.ping(), max(self.probe_interval_s, 0.2))
+            except Exception:
+                continue
+            self.degraded = False
+            self._timeouts_in_row = 0
+            self.metrics.degraded.set(0)
+            log.warning(
+                "kvstore backend %s is back after %.1f s",
+                self.index.kind,
+                time.monotonic() - down_since,
+            )

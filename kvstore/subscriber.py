@@ -1,0 +1,89 @@
+"""ZMQ SUB client for one engine publisher, with replay over its ROUTER socket.
+
+Runs as an asyncio task on the store's loop (``zmq.asyncio``), so index updates and
+lookups never race. Replay protocol (vLLM): a DEALER sends ``[b"", start_seq]``; the
+publisher answers ``[b"", seq, payload]`` per buffered batch, then ``seq = -1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from kvstore.events import EventDecodeError, decode_seq
+from kvstore.feed import Feed
+
+log = logging.getLogger("switchyard.kvstore.subscriber")
+
+Handler = Callable[[Feed, int, bytes], Awaitable[None]]
+
+
+async def request_replay(
+    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = 1.0
+) -> list[tuple[int, bytes]] | None:
+    """Buffered batches from ``start_seq`` on, or ``None`` if the publisher did not answer."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        out: list[tuple[int, bytes]] = []
+        while True:
+            if not await sock.poll(int(timeout_s * 1000)):
+                return None
+            frames = await sock.recv_multipart()
+            if len(frames) < 3:
+                return None
+            seq = decode_seq(frames[1])
+            if seq < 0:
+                return out
+            out.append((seq, frames[2]))
+    finally:
+        sock.close(linger=0)
+
+
+class Subscriber:
+    def __init__(self, ctx: zmq.asyncio.Context, feed: Feed, on_frame: Handler) -> None:
+        self._ctx = ctx
+        self.feed = feed
+        self._on_frame = on_frame
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-sub {self.feed.endpoint}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _run(self) -> None:
+        assert self.feed.endpoint is not None
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.feed.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                if len(frames) < 2:
+                    continue
+                seq_frame, payload = frames[-2], frames[-1]
+                try:
+                    await self._on_frame(self.feed, decode_seq(seq_frame), payload)
+                except EventDecodeError as exc:
+                    log.warning("%s: undecodable frame: %s", self.feed.instance, exc)
+                except Exception:
+                    log.exception("%s: event handling failed", self.feed.instance)
+        finally:
+            sock.close(linger=0)
