@@ -35,4 +35,6 @@ def run(settings: RouterSettings, config_file: str | Path | None = None) -> None
         access_log=False,
         log_level=settings.log_level,
         timeout_keep_alive=30,
+        server_header=False,
+        date_header=False,
     )

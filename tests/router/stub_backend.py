@@ -74,7 +74,7 @@ class StubBackend:
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         s = self.state
         s.requests += 1
-        s.last_headers = dict(request.headers)
+        s.last_headers = {k.lower(): v for k, v in request.headers.items()}
         s.last_body = await request.read()
         if s.hang:
             await asyncio.sleep(3600)

@@ -24,7 +24,9 @@ def test_non_stream_body_is_passed_through(stub: StubBackend, start_router: Star
     assert resp.json()["echo"] == BODY
 
 
-def test_sse_bytes_arrive_unchanged_and_in_order(stub: StubBackend, start_router: StartRouter) -> None:
+def test_sse_bytes_arrive_unchanged_and_in_order(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
     stub.state.chunk_interval_s = 0.001
     router = start_router(stub.url).url
     with httpx.stream("POST", router + "/v1/completions", json={**BODY, "stream": True}) as resp:
