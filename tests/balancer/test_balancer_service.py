@@ -1,0 +1,235 @@
+"""`switchyard balancer` as real processes: picks, tickets, admin, metrics, Redis sharing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from balancer import Outcome
+from balancer.remote import RemoteFleet
+from tests.balancer.fleet_stubs import StubEngine, StubFactory
+from tests.support import Server, free_port, redis_server
+
+pytestmark = pytest.mark.timeout(60)
+
+KEY = "sekret"
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    with redis_server() as (url, _proc):
+        yield url
+
+
+@asynccontextmanager
+async def balancer(*args: str) -> AsyncIterator[Server]:
+    port = free_port()
+    server = Server(
+        ["balancer", "--port", str(port), "--admin-key", KEY, "--probe-interval", "0.2", *args],
+        port,
+    )
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def workers(client: httpx.AsyncClient, server: Server) -> dict[str, dict]:
+    resp = await client.get(server.url + "/v1/workers")
+    resp.raise_for_status()
+    return {w["id"]: w for w in resp.json()["workers"]}
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if await predicate():
+            return
+        if loop.time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+def shared(redis_url: str) -> tuple[str, ...]:
+    return ("--redis", redis_url, "--sync-interval", "0.1", "--lease-seconds", "1")
+
+
+async def test_pick_counts_the_request_until_its_ticket_ends(stub_engine: StubFactory) -> None:
+    stub = await stub_engine()
+    async with balancer("--worker", stub.url) as svc, httpx.AsyncClient() as client:
+        await until(lambda: _has_models(client, svc, stub))
+        pick = (await client.post(svc.url + "/v1/pick", json={"model": "m"})).json()
+        assert pick["url"] == stub.url and pick["rank"] is None and pick["ticket"]
+        assert (await workers(client, svc))[stub.url]["inflight"] == 1
+        end = await client.post(
+            f"{svc.url}/v1/tickets/{pick['ticket']}/end", json={"outcome": "success"}
+        )
+        assert end.status_code == 200
+        assert (await workers(client, svc))[stub.url]["inflight"] == 0
+        missing = await client.post(svc.url + "/v1/pick", json={"model": "nope"})
+        assert missing.status_code == 503
+
+
+async def _has_models(client: httpx.AsyncClient, svc: Server, stub: StubEngine) -> bool:
+    return (await workers(client, svc)).get(stub.url, {}).get("models") == stub.models
+
+
+async def test_pick_spreads_requests_over_dp_ranks_with_the_rank_header(
+    stub_engine: StubFactory,
+) -> None:
+    stub = await stub_engine()
+    async with balancer("--worker", f"{stub.url};dp=4;models=m") as svc:
+        async with httpx.AsyncClient() as client:
+            picks = [
+                (await client.post(svc.url + "/v1/pick", json={"prompt_tokens": 100})).json()
+                for _ in range(4)
+            ]
+            assert sorted(p["rank"] for p in picks) == [0, 1, 2, 3]
+            assert all(p["headers"] == {"X-data-parallel-rank": str(p["rank"])} for p in picks)
+            ranks = (await workers(client, svc))[stub.url]["ranks"]
+            assert [r["inflight"] for r in ranks] == [1, 1, 1, 1]
+
+
+async def test_admin_endpoints_require_the_admin_key(stub_engine: StubFactory) -> None:
+    stub = await stub_engine()
+    async with balancer() as svc, httpx.AsyncClient() as client:
+        body = {"spec": f"{stub.url};models=m"}
+        denied = await client.post(svc.url + "/admin/workers", json=body)
+        assert denied.status_code == 401
+        key = {"X-Admin-Key": KEY}
+        added = await client.post(svc.url + "/admin/workers", json=body, headers=key)
+        assert added.status_code == 200 and added.json()["id"] == stub.url
+        auth = {"Authorization": f"Bearer {KEY}"}
+        drained = await client.post(
+            svc.url + "/admin/workers/drain", params={"id": stub.url}, headers=auth
+        )
+        assert drained.json()["draining"] is True
+        assert (await client.post(svc.url + "/v1/pick", json={"model": "m"})).status_code == 503
+        removed = await client.delete(
+            svc.url + "/admin/workers", params={"id": stub.url}, headers=auth
+        )
+        assert removed.json() == {"removed": True}
+        assert await workers(client, svc) == {}
+
+
+async def test_metrics_expose_worker_and_rank_gauges(stub_engine: StubFactory) -> None:
+    stub = await stub_engine()
+    async with balancer("--worker", f"{stub.url};dp=2;models=m") as svc:
+        async with httpx.AsyncClient() as client:
+            await client.post(svc.url + "/v1/pick", json={"model": "m", "prompt_tokens": 7})
+            text = (await client.get(svc.url + "/metrics")).text
+    assert f'switchyard_balancer_worker_inflight{{role="unified",worker="{stub.url}"}} 1.0' in text
+    assert "switchyard_balancer_rank_tokens" in text
+
+
+async def test_two_balancers_sharing_redis_see_each_others_inflight_counts(
+    stub_engine: StubFactory, redis_url: str
+) -> None:
+    stub = await stub_engine()
+    worker = f"{stub.url};dp=2;models=m"
+    async with (
+        balancer("--worker", worker, *shared(redis_url)) as a,
+        balancer("--worker", worker, *shared(redis_url)) as b,
+        httpx.AsyncClient() as client,
+    ):
+        tickets = [
+            (await client.post(a.url + "/v1/pick", json={"model": "m"})).json()["ticket"]
+            for _ in range(3)
+        ]
+
+        async def b_sees(n: int) -> bool:
+            w = (await workers(client, b))[stub.url]
+            return w["inflight"] == n and w["local_inflight"] == 0
+
+        await until(lambda: b_sees(3))
+        await client.post(f"{a.url}/v1/tickets/{tickets[0]}/end", json={"outcome": "success"})
+        await until(lambda: b_sees(2))
+        pick = (await client.post(b.url + "/v1/pick", json={"model": "m"})).json()
+        ranks_a = {r["rank"]: r["inflight"] for r in (await workers(client, a))[stub.url]["ranks"]}
+        assert sum(ranks_a.values()) >= 2
+        assert pick["ticket"]
+
+
+async def test_a_crashed_balancers_counts_expire_with_its_lease(
+    stub_engine: StubFactory, redis_url: str
+) -> None:
+    stub = await stub_engine()
+    worker = f"{stub.url};models=m"
+    async with (
+        balancer("--worker", worker, *shared(redis_url)) as a,
+        balancer("--worker", worker, *shared(redis_url)) as b,
+        httpx.AsyncClient() as client,
+    ):
+        for _ in range(4):
+            await client.post(a.url + "/v1/pick", json={"model": "m"})
+
+        async def b_sees(n: int) -> bool:
+            return (await workers(client, b))[stub.url]["inflight"] == n
+
+        await until(lambda: b_sees(4))
+        await asyncio.to_thread(a.kill)
+        loop = asyncio.get_running_loop()
+        killed = loop.time()
+        await until(lambda: b_sees(0), timeout=5)
+        assert loop.time() - killed <= 1.0 + 0.5
+
+
+async def test_admin_changes_reach_every_balancer_sharing_redis(
+    stub_engine: StubFactory, redis_url: str
+) -> None:
+    stub = await stub_engine()
+    auth = {"X-Admin-Key": KEY}
+    async with (
+        balancer(*shared(redis_url)) as a,
+        balancer(*shared(redis_url)) as b,
+        httpx.AsyncClient() as client,
+    ):
+        await client.post(a.url + "/admin/workers", json={"url": stub.url}, headers=auth)
+
+        async def listed(server: Server, present: bool) -> bool:
+            return (stub.url in await workers(client, server)) is present
+
+        await until(lambda: listed(b, True))
+        async with balancer(*shared(redis_url)) as late:
+            assert await listed(late, True), "a new replica loads admin-added workers"
+        await client.delete(b.url + "/admin/workers", params={"id": stub.url}, headers=auth)
+        await until(lambda: listed(a, False))
+
+
+async def test_remote_fleet_routes_from_the_service_and_reports_tickets(
+    stub_engine: StubFactory,
+) -> None:
+    stub = await stub_engine()
+    async with balancer("--worker", f"{stub.url};dp=2;models=m") as svc:
+        fleet = RemoteFleet(svc.url, admin_key=KEY, refresh_interval=0.1)
+        await fleet.start()
+        try:
+            assert fleet.models() == ["m"]
+            (worker,) = fleet.candidates("m")
+            rank = fleet.choose_rank(worker, prompt_tokens=10)
+            ticket = fleet.begin(worker, prompt_tokens=10, dp_rank=rank)
+            fleet.first_token(ticket)
+            async with httpx.AsyncClient() as client:
+                await until(lambda: _inflight(client, svc, stub.url, 1))
+                fleet.end(ticket, Outcome.SUCCESS)
+                await until(lambda: _inflight(client, svc, stub.url, 0))
+                fleet.drain(worker.id)
+                await until(lambda: _draining(client, svc, stub.url))
+            await asyncio.sleep(0.3)
+            assert fleet.candidates("m") == []
+        finally:
+            await fleet.stop()
+
+
+async def _inflight(client: httpx.AsyncClient, svc: Server, url: str, n: int) -> bool:
+    return (await workers(client, svc))[url]["inflight"] == n
+
+
+async def _draining(client: httpx.AsyncClient, svc: Server, url: str) -> bool:
+    return bool((await workers(client, svc))[url]["draining"])
