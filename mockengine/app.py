@@ -214,6 +214,22 @@ class EngineServer:
             "root": self.s.model,
             "parent": None,
             "max_model_len": self.s.max_model_len,
+            "permission": [
+                {
+                    "id": f"modelperm-{os.urandom(8).hex()}",
+                    "object": "model_permission",
+                    "created": self.created,
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ],
         }
         await respond(send, 200, orjson.dumps({"object": "list", "data": [card]}))
 
