@@ -1,0 +1,111 @@
+"""Golden frames built from vLLM's and SGLang's source update the index as the engine meant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvstore.store import KVStore
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv_events"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+E = "http://127.0.0.1:8001"
+
+
+def frames(name: str) -> list:
+    """The golden batch split into one batch per event, to watch each step."""
+    ts, events, *rank = msgpack.unpackb((FIXTURES / name).read_bytes(), raw=False)
+    return [[ts, [ev], *rank] for ev in events]
+
+
+async def matched(store: KVStore, tokens: list[int]) -> int:
+    res = await store.lookup(None, token_ids=tokens)
+    return max((m.matched_tokens for m in res.matches), default=0)
+
+
+@pytest.mark.parametrize("name", ["vllm_array_batch.bin", "vllm_map_batch.bin"])
+def test_both_vllm_encodings_decode_to_the_same_events(name: str) -> None:
+    batch = decode_batch((FIXTURES / name).read_bytes())
+    assert batch.data_parallel_rank == 0 and batch.ts == 1700000000.5
+    stored, removed, cleared = batch.events
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert isinstance(cleared, AllBlocksCleared)
+    assert stored.block_hashes == EXPECTED["vllm_block_hashes_uint64"]
+    assert stored.token_ids == EXPECTED["vllm_token_ids"] and stored.medium == "GPU"
+    assert removed.block_hashes == EXPECTED["vllm_block_hashes_uint64"][1:]
+
+
+@pytest.mark.parametrize("name", ["vllm_array_batch.bin", "vllm_map_batch.bin"])
+async def test_vllm_stored_removed_cleared_update_the_index(name: str) -> None:
+    store = KVStore(block_size=16)
+    tokens = EXPECTED["vllm_token_ids"]
+    stored, removed, cleared = frames(name)
+    await store.ingest(E, stored)
+    assert await matched(store, tokens) == 32
+    await store.ingest(E, removed)
+    assert await matched(store, tokens) == 16
+    await store.ingest(E, cleared)
+    assert await matched(store, tokens) == 0
+
+
+async def test_sglang_pages_chain_through_a_signed_parent_hash() -> None:
+    store = KVStore(block_size=16)
+    tokens = EXPECTED["sglang_token_ids"]
+    page1, page2, removed = frames("sglang_array_batch.bin")
+    assert page2[1][0][1][0] < 0  # page 2's hash is a negative int64
+    await store.ingest(E, page1)
+    await store.ingest(E, page2)
+    assert await matched(store, tokens) == 32
+    await store.ingest(E, removed)
+    assert await matched(store, tokens) == 16
+
+
+async def test_byte_hashes_map_and_remove_like_integers() -> None:
+    store = KVStore(block_size=16)
+    tokens = list(range(32))
+    h1, h2 = b"\x01" * 32, b"\x02" * 32
+    await store.ingest(E, [0.0, [["BlockStored", [h1], None, tokens[:16], 16, None, "GPU"]]])
+    await store.ingest(E, [0.0, [["BlockStored", [h2], h1, tokens[16:], 16, None, "GPU"]]])
+    assert await matched(store, tokens) == 32
+    await store.ingest(E, [0.0, [["BlockRemoved", [h1], "GPU"]]])
+    assert await matched(store, tokens) == 0
+
+
+async def test_a_block_whose_parent_was_never_seen_is_skipped_not_misindexed() -> None:
+    store = KVStore(block_size=16)
+    await store.ingest(E, [0.0, [["BlockStored", [7], 12345, list(range(16)), 16, None, "GPU"]]])
+    assert await matched(store, list(range(16))) == 0
+    orphans = store.metrics.registry.get_sample_value("switchyard_kvstore_orphan_blocks_total")
+    assert orphans == 1
+
+
+async def test_dp_rank_and_medium_become_the_location() -> None:
+    store = KVStore(block_size=16)
+    tokens = list(range(16))
+    await store.ingest(E, [0.0, [["BlockStored", [1], None, tokens, 16, None, "CPU"]], 3])
+    res = await store.lookup(None, token_ids=tokens)
+    assert [(m.instance, m.dp_rank, m.tier) for m in res.matches] == [(E, 3, "cpu")]
+
+
+async def test_lora_name_in_events_matches_lookups_for_that_adapter() -> None:
+    store = KVStore(block_size=16)
+    tokens = list(range(16))
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": tokens,
+        "block_size": 16,
+        "lora_id": 1,
+        "medium": "GPU",
+        "lora_name": "sql-adapter",
+        "extra_keys": [["sql-adapter", "tenant-7"]],
+    }
+    await store.ingest(E, [0.0, [event]])
+    assert (await store.lookup(None, token_ids=tokens)).matches == []
+    res = await store.lookup(None, token_ids=tokens, lora_name="sql-adapter", cache_salt="tenant-7")
+    assert [m.matched_tokens for m in res.matches] == [16]
