@@ -157,6 +157,7 @@ class EngineServer:
         metrics: EngineMetrics,
         port: int,
         inject_kv_gap: Callable[[int], None],
+        drop_kv_events: Callable[[int], None],
     ) -> None:
         self.s = settings
         self.engines = engines
@@ -167,6 +168,7 @@ class EngineServer:
         self.metrics = metrics
         self.port = port
         self.inject_kv_gap = inject_kv_gap
+        self.drop_kv_events = drop_kv_events
         self.engine_id = settings.engine_id or f"mock-{settings.host}-{port}"
         self.inflight = dict.fromkeys(engines, 0)
         self.output_ids = [tokenizer.filler_token_id]
@@ -342,9 +344,10 @@ class EngineServer:
     async def set_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         async def work() -> tuple[int, bytes]:
             data = await self._json_body(receive)
-            gap = data.pop("kv_gap", 0)
-            if not isinstance(gap, int) or gap < 0:
-                raise ClientError(400, "kv_gap must be a non-negative integer", "kv_gap")
+            gap, drop = data.pop("kv_gap", 0), data.pop("kv_drop", 0)
+            for key, n in (("kv_gap", gap), ("kv_drop", drop)):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                    raise ClientError(400, f"{key} must be a non-negative integer", key)
             try:
                 self.faults.update(data)
             except ValueError as exc:
@@ -352,6 +355,9 @@ class EngineServer:
             if gap:
                 self.inject_kv_gap(gap)
                 self.metrics.fault("kv_gap")
+            if drop:
+                self.drop_kv_events(drop)
+                self.metrics.fault("kv_drop")
             return 200, orjson.dumps(self.faults.describe())
 
         await self._guard(send, work)

@@ -5,7 +5,8 @@ Kinds: ``error`` (answer ``error_rate`` of requests with one of ``error_codes``)
 ``hang_rate`` of requests and never answer), ``crash`` (the process exits when request
 ``crash_after + 1`` arrives), ``slow_stream`` (``slow_stream_ms`` between chunks),
 ``drop`` (with probability ``drop_rate``, cut the connection after ``drop_after_tokens``
-streamed tokens) and ``kv_gap`` (skip that many KV-event sequence numbers).
+streamed tokens), ``kv_gap`` (skip that many KV-event sequence numbers) and ``kv_drop``
+(keep that many KV-event batches off the wire but in the replay buffer).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from mockengine.app import BootstrapServer, EngineServer
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.driver import RealClockEngine
 from mockengine.faults import Faults
+from mockengine.kvevents import KVEventPublisher
 from mockengine.metrics import EngineMetrics
 from mockengine.pd import HeldKV, KVPuller
 from mockengine.settings import MockSettings
@@ -134,16 +135,15 @@ def describe(s: MockSettings) -> dict[str, Any]:
 def _publisher_factory(s: MockSettings) -> Callable[[int], Any] | None:
     if s.kv_events_port is None:
         return None
-    from mockengine.kvevents import KVEventPublisher
 
     def make(rank: int) -> Any:
         replay = (
-            f"tcp://{s.host}:{s.kv_events_replay_port + rank}"
+            f"tcp://{s.host}:{s.kv_events_replay_port}"
             if s.kv_events_replay_port is not None
             else None
         )
         return KVEventPublisher(
-            f"tcp://{s.host}:{s.kv_events_port + rank}",
+            f"tcp://{s.host}:{s.kv_events_port}",
             replay_endpoint=replay,
             topic=s.kv_events_topic,
             encoding=s.kv_events_encoding,
@@ -171,6 +171,10 @@ def build(s: MockSettings, tokenizer: ModelTokenizer | None = None) -> Deploymen
         for p in publishers:
             p.inject_gap(n)
 
+    def drop_events(n: int) -> None:
+        for p in publishers:
+            p.drop_next(n)
+
     endpoints: list[Endpoint] = []
     for i, ranks in enumerate(rank_groups(s)):
         port = s.port + i
@@ -185,6 +189,7 @@ def build(s: MockSettings, tokenizer: ModelTokenizer | None = None) -> Deploymen
             metrics,
             port,
             inject_gap,
+            drop_events,
         )
         endpoints.append(Endpoint(port, ranks, app, [engines[r] for r in ranks]))
     boot = bootstrap_port(s)

@@ -1,0 +1,114 @@
+"""Data parallel: one URL honouring X-data-parallel-rank, one port per rank, events per rank."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from tests.support import Server, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def gen_tokens(text: str, rank: int) -> float:
+    m = re.search(rf'^vllm:generation_tokens_total\{{engine="{rank}",[^}}]*\}} (\S+)$', text, re.M)
+    assert m, f"no generation counter for engine {rank}"
+    return float(m.group(1))
+
+
+@pytest.fixture(scope="module")
+def dp_engine() -> Iterator[Server]:
+    port = free_port()
+    with Server(["mock", "--port", str(port), "--dp-size", "2", "--speed", "5"], port) as srv:
+        yield srv
+
+
+def test_dp_header_routes_to_that_rank(dp_engine: Server) -> None:
+    before = httpx.get(dp_engine.url + "/metrics").text
+    r = httpx.post(
+        dp_engine.url + "/v1/completions",
+        json={"prompt": "to rank one", "max_tokens": 7},
+        headers={"X-data-parallel-rank": "1"},
+    )
+    after = httpx.get(dp_engine.url + "/metrics").text
+    assert r.headers["x-data-parallel-rank"] == "1"
+    assert gen_tokens(after, 1) - gen_tokens(before, 1) == 7
+    assert gen_tokens(after, 0) == gen_tokens(before, 0)
+
+
+def test_without_header_concurrent_requests_spread_over_ranks(dp_engine: Server) -> None:
+    ranks: list[str] = []
+
+    def one() -> None:
+        r = httpx.post(
+            dp_engine.url + "/v1/completions", json={"prompt": "spread", "max_tokens": 40}
+        )
+        ranks.append(r.headers["x-data-parallel-rank"])
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(ranks) == ["0", "1"]
+
+
+def test_unknown_rank_is_a_400(dp_engine: Server) -> None:
+    r = httpx.post(
+        dp_engine.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"X-data-parallel-rank": "5"},
+    )
+    assert r.status_code == 400
+
+
+def test_dp_external_serves_one_port_per_rank() -> None:
+    port = free_port()
+    args = ["mock", "--port", str(port), "--dp-size", "2", "--dp-external", "--speed", "50"]
+    with Server(args, port):
+        r = httpx.post(
+            f"http://127.0.0.1:{port + 1}/v1/completions", json={"prompt": "x", "max_tokens": 2}
+        )
+        text = httpx.get(f"http://127.0.0.1:{port + 1}/metrics").text
+    assert r.headers["x-data-parallel-rank"] == "1"
+    assert gen_tokens(text, 1) == 2
+    assert 'engine="0"' not in text
+
+
+def test_kv_events_of_a_rank_carry_that_rank_on_port_plus_rank() -> None:
+    port, events = free_port(), free_port()
+    args = ["mock", "--port", str(port), "--dp-size", "2", "--speed", "50"]
+    with Server([*args, "--kv-events-port", str(events)], port) as srv:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 5000)
+        sub.connect(f"tcp://127.0.0.1:{events + 1}")
+        try:
+            frames: list[bytes] = []
+            for _ in range(50):
+                httpx.post(
+                    srv.url + "/v1/completions",
+                    json={"prompt": "block " * 40, "max_tokens": 2},
+                    headers={"X-data-parallel-rank": "1"},
+                )
+                try:
+                    frames = sub.recv_multipart(flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    continue
+            if not frames:
+                frames = sub.recv_multipart()
+        finally:
+            sub.close(linger=0)
+    topic, seq, payload = frames
+    batch = msgpack.unpackb(payload, raw=False)
+    assert len(seq) == 8
+    assert batch[2] == 1
+    assert batch[1][0][0] == "BlockStored"
