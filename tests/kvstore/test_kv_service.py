@@ -1,0 +1,124 @@
+"""The kvstore service over HTTP (real process, real Redis) and degraded mode."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+import msgpack
+import pytest
+
+from kvstore.index import Location
+from kvstore.redis_index import RedisIndex
+from kvstore.remote import RemoteKVStore
+from kvstore.store import KVStore
+from tests.support import TOKENIZER_DIR, Server, free_port, redis_server
+
+pytestmark = pytest.mark.timeout(60)
+
+E = "http://127.0.0.1:8001"
+TOKENS = list(range(200, 264))
+
+
+def stored_batch(tokens: list[int], first_hash: int) -> list:
+    hashes = list(range(first_hash, first_hash + len(tokens) // 16))
+    return [time.time(), [["BlockStored", hashes, None, tokens, 16, None, "GPU"]], 0]
+
+
+async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() -> None:
+    with redis_server() as (url, _):
+        port = free_port()
+        args = ["kvstore", "--port", str(port), "--redis", url, "--tokenizer", str(TOKENIZER_DIR)]
+        with Server(args, port) as svc:
+            pushed = httpx.post(
+                svc.url + "/v1/events",
+                json={"instance": E, "seq": 0, "batch": stored_batch(TOKENS, 1)},
+            )
+            assert pushed.status_code == 204
+            raw = msgpack.packb(stored_batch(TOKENS[:32], 50))
+            pushed = httpx.post(
+                svc.url + "/v1/events",
+                params={"instance": "http://127.0.0.1:8002", "seq": 0},
+                content=raw,
+                headers={"content-type": "application/msgpack"},
+            )
+            assert pushed.status_code == 204
+
+            remote = RemoteKVStore(svc.url, timeout_s=2.0)
+            await remote.start()
+            try:
+                res = await remote.lookup(None, token_ids=TOKENS)
+                assert [(m.instance, m.matched_tokens) for m in res.matches] == [
+                    (E, 64),
+                    ("http://127.0.0.1:8002", 32),
+                ]
+                assert len(res.keys) == 4 and not res.degraded
+                await remote.clear_instance(E)
+                res = await remote.lookup(None, token_ids=TOKENS)
+                assert [m.instance for m in res.matches] == ["http://127.0.0.1:8002"]
+                await remote.record_placement(res.keys, E, ttl_s=5)
+                res = await remote.lookup(None, token_ids=TOKENS, candidates=[E])
+                assert [(m.instance, m.matched_tokens) for m in res.matches] == [(E, 64)]
+            finally:
+                await remote.stop()
+
+            instances = httpx.get(svc.url + "/v1/instances").json()
+            assert {i["instance"] for i in instances} >= {E, "http://127.0.0.1:8002"}
+            metrics = httpx.get(svc.url + "/metrics").text
+            assert "switchyard_kvstore_lookups_total" in metrics
+            assert "switchyard_kvstore_events_total 2.0" in metrics
+
+
+async def test_service_tokenizes_chat_and_prompt_alike() -> None:
+    port = free_port()
+    with Server(["kvstore", "--port", str(port), "--tokenizer", str(TOKENIZER_DIR)], port) as svc:
+        messages = [{"role": "user", "content": "tell me about blocks " * 10}]
+        chat = httpx.post(svc.url + "/v1/lookup", json={"messages": messages, "include_keys": True})
+        text = "<|im_start|>user\n" + "tell me about blocks " * 10 + "<|im_end|>\n"
+        text += "<|im_start|>assistant\n"
+        prompt = httpx.post(svc.url + "/v1/lookup", json={"prompt": text, "include_keys": True})
+        assert chat.json()["keys"] == prompt.json()["keys"] and chat.json()["exact"]
+        assert httpx.post(svc.url + "/v1/lookup", json={}).status_code == 400
+
+
+async def test_redis_outage_gives_degraded_answers_then_recovers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    port = free_port()
+    caplog.set_level(logging.WARNING, logger="switchyard.kvstore")
+    with redis_server(port) as (url, proc):
+        store = KVStore(RedisIndex(url, block_size=16), probe_interval_s=0.05)
+        await store.start()
+        keys = store.keys_for(TOKENS)
+        await store.index.add(keys, Location(E))
+        assert (await store.lookup(None, token_ids=TOKENS)).matches
+        proc.kill()
+        proc.wait()
+        for _ in range(5):
+            t0 = time.perf_counter()
+            res = await store.lookup(None, token_ids=TOKENS)
+            assert time.perf_counter() - t0 < 0.05
+            assert res.degraded and res.matches == []
+        await store.record_placement(keys, E)  # dropped, not raised
+        incidents = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(incidents) == 1
+    with redis_server(port):
+        deadline = time.monotonic() + 5
+        while store.degraded and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await store.record_placement(keys, E)
+        res = await store.lookup(None, token_ids=TOKENS)
+        assert not res.degraded and res.matches[0].matched_tokens == 64
+        await store.stop()
+
+
+async def test_an_unreachable_kvstore_service_is_degraded_not_an_error() -> None:
+    remote = RemoteKVStore(f"http://127.0.0.1:{free_port()}", timeout_s=0.02)
+    await remote.start()
+    try:
+        res = await remote.lookup(None, token_ids=TOKENS)
+        assert res.degraded and res.matches == []
+    finally:
+        await remote.stop()
