@@ -1,0 +1,233 @@
+"""Router overhead on one machine, in one run: direct vs Switchyard vs smg, alternating.
+
+Backend: nginx (from Debian) answering a fixed completion. Load: wrk (from Debian).
+Targets, each measured ``--rounds`` times in rotating order: the backend directly,
+``switchyard router`` in front of it, and ``smg launch`` (pip install smg) when
+installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
+
+    python bench/overhead.py [--duration 10] [--rounds 3] [--connections 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.support import free_port, wait_http  # noqa: E402
+
+ANSWER = (
+    '{"id":"cmpl-bench","object":"text_completion","created":0,"model":"bench",'
+    '"choices":[{"index":0,"text":"hello","finish_reason":"length"}],'
+    '"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}'
+)
+MODELS = '{"object":"list","data":[{"id":"bench","object":"model","owned_by":"bench"}]}'
+BODY = '{"model":"bench","prompt":"Say hello","max_tokens":1}'
+
+NGINX_CONF = """
+daemon off;
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir};
+  keepalive_requests 1000000;
+  server {{
+    listen 127.0.0.1:{port};
+    location = /v1/models {{ default_type application/json; return 200 '{models}'; }}
+    location = /health {{ default_type application/json; return 200 '{{}}'; }}
+    location / {{ default_type application/json; return 200 '{answer}'; }}
+  }}
+}}
+"""
+
+WRK_LUA = f"""
+wrk.method = "POST"
+wrk.body = '{BODY}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+@dataclass
+class WrkResult:
+    rps: float
+    p50_ms: float
+    p99_ms: float
+
+
+def _ms(text: str) -> float:
+    value = float(re.match(r"([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    if text.endswith("us"):
+        return value / 1000
+    if text.endswith("ms"):
+        return value
+    return value * 1000
+
+
+def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
+    threads = max(1, min(2, connections))
+    out = subprocess.run(
+        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(lua),
+         url + "/v1/completions"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    if errors:
+        print(f"  warning: {errors.group(1)} non-2xx responses from {url}")
+    return WrkResult(rps, p50, p99)
+
+
+@contextmanager
+def process(argv: list[str], health: str, env: dict[str, str] | None = None) -> Iterator[None]:
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env, start_new_session=True)
+    try:
+        wait_http(health, timeout=30, proc=proc)
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+async def sse_rate(url: str, streams: int, duration: float) -> float:
+    """SSE events per second received over ``streams`` concurrent streaming requests."""
+    count = 0
+    deadline = time.monotonic() + duration
+    body = '{"model":"bench","prompt":"Say hello","stream":true}'
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        nonlocal count
+        while time.monotonic() < deadline:
+            async with session.post(url + "/v1/completions", data=body,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                async for chunk in resp.content.iter_any():
+                    count += chunk.count(b"data:")
+                    if time.monotonic() >= deadline:
+                        return
+
+    async with aiohttp.ClientSession() as session:
+        start = time.monotonic()
+        await asyncio.gather(*(one(session) for _ in range(streams)))
+        return count / (time.monotonic() - start)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--sse-streams", type=int, default=16)
+    ap.add_argument("--no-smg", action="store_true")
+    args = ap.parse_args()
+    for tool in ("wrk", "nginx"):
+        if shutil.which(tool) is None:
+            sys.exit(f"{tool} is required: apt-get install -y wrk nginx-light")
+    smg = None if args.no_smg else shutil.which("smg")
+
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        tmpdir = Path(tmp)
+        lua = tmpdir / "post.lua"
+        lua.write_text(WRK_LUA)
+        nginx_port = free_port()
+        conf = tmpdir / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=tmpdir, port=nginx_port, answer=ANSWER,
+                                          models=MODELS))
+        backend = f"http://127.0.0.1:{nginx_port}"
+        stack.enter_context(process(["nginx", "-c", str(conf), "-p", str(tmpdir)],
+                                    backend + "/health"))
+        targets = {"direct": backend}
+        sy_port = free_port()
+        stack.enter_context(process(
+            [sys.executable, "-m", "switchyard", "router", "--worker", backend,
+             "--port", str(sy_port), "--policy", args.policy],
+            f"http://127.0.0.1:{sy_port}/ready"))
+        targets["switchyard"] = f"http://127.0.0.1:{sy_port}"
+        if smg:
+            smg_port = free_port()
+            stack.enter_context(process(
+                [smg, "launch", "--worker-urls", backend, "--policy", "round_robin",
+                 "--host", "127.0.0.1", "--port", str(smg_port), "--log-level", "error",
+                 "--prometheus-port", str(free_port())],
+                f"http://127.0.0.1:{smg_port}/health"))
+            targets["smg"] = f"http://127.0.0.1:{smg_port}"
+        for url in targets.values():
+            httpx.post(url + "/v1/completions", content=BODY,
+                       headers={"Content-Type": "application/json"}).raise_for_status()
+
+        names = list(targets)
+        loaded: dict[str, list[WrkResult]] = {n: [] for n in names}
+        single: dict[str, list[WrkResult]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            print(f"round {r + 1}/{args.rounds}: {' -> '.join(order)}", flush=True)
+            for name in order:
+                loaded[name].append(run_wrk(targets[name], args.connections, args.duration, lua))
+                single[name].append(run_wrk(targets[name], 1, max(3, args.duration // 2), lua))
+
+        print(f"\nnon-stream, {args.connections} connections, {args.duration}s x {args.rounds} "
+              "rounds (medians):")
+        print(f"{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'1-conn p50 ms':>15}")
+        med = {}
+        for name in names:
+            rps = statistics.median(x.rps for x in loaded[name])
+            p50 = statistics.median(x.p50_ms for x in loaded[name])
+            p99 = statistics.median(x.p99_ms for x in loaded[name])
+            one = statistics.median(x.p50_ms for x in single[name])
+            med[name] = (rps, one)
+            print(f"{name:<12}{rps:>10.0f}{p50:>10.2f}{p99:>10.2f}{one:>15.3f}")
+        added = med["switchyard"][1] - med["direct"][1]
+        print(f"\nadded p50 latency at 1 connection, switchyard vs direct: {added:.3f} ms")
+        if "smg" in med:
+            print(f"switchyard/smg req/s: {med['switchyard'][0] / med['smg'][0]:.2f}")
+            print(f"smg added p50 at 1 connection: {med['smg'][1] - med['direct'][1]:.3f} ms")
+
+    with ExitStack() as stack:
+        sse_port = free_port()
+        sse = f"http://127.0.0.1:{sse_port}"
+        stack.enter_context(process(
+            [sys.executable, str(REPO / "bench" / "sse_backend.py"), str(sse_port), "2000"],
+            sse + "/v1/models"))
+        sy_port = free_port()
+        stack.enter_context(process(
+            [sys.executable, "-m", "switchyard", "router", "--worker", sse,
+             "--port", str(sy_port)], f"http://127.0.0.1:{sy_port}/ready"))
+        rates: dict[str, list[float]] = {"direct": [], "switchyard": []}
+        urls = {"direct": sse, "switchyard": f"http://127.0.0.1:{sy_port}"}
+        for r in range(args.rounds):
+            for name in (["direct", "switchyard"] if r % 2 == 0 else ["switchyard", "direct"]):
+                rates[name].append(asyncio.run(sse_rate(urls[name], args.sse_streams,
+                                                        args.duration / 2)))
+        d, s = statistics.median(rates["direct"]), statistics.median(rates["switchyard"])
+        print(f"\nSSE relay, {args.sse_streams} streams: direct {d:,.0f} events/s, "
+              f"switchyard {s:,.0f} events/s ({s / d:.2f}x direct)")
+
+
+if __name__ == "__main__":
+    main()
