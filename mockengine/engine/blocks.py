@@ -29,9 +29,11 @@ class BlockPool:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_gpu_blocks)]
-        # Eviction order: the front is evicted first; freeing appends at the back.
-        self.free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        # Eviction order: the front is evicted first; freeing appends at the back. Blocks
+        # never used yet sit ahead of all of them (vLLM's initial queue is in id order), so
+        # they are created lazily: a simulated fleet of thousands of engines stays small.
+        self.free: OrderedDict[int, Block] = OrderedDict()
+        self._next_id = 1
         # digest -> {block_id: block}: identical blocks computed concurrently are all cached,
         # as vLLM does (block tables stay append-only).
         self.cached: dict[bytes, dict[int, Block]] = {}
@@ -39,12 +41,12 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_gpu_blocks - self._next_id
 
     @property
     def usage(self) -> float:
         """Referenced blocks / total, as vLLM's ``kv_cache_usage_perc`` (0..1)."""
-        return 1.0 - len(self.free) / self.num_gpu_blocks
+        return 1.0 - self.num_free / self.num_gpu_blocks
 
     def lookup(self, digest: bytes) -> Block | None:
         found = self.cached.get(digest)
@@ -61,11 +63,18 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[Block]:
         """Take ``n`` blocks from the front of the free queue, evicting cached ones."""
-        if n > len(self.free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(self.free)} free")
+        if n > self.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, {self.num_free} free")
+        fresh = min(n, self.num_gpu_blocks - self._next_id)
         out: list[Block] = []
+        if fresh:
+            first = self._next_id
+            self._next_id += fresh
+            out = [Block(i) for i in range(first, first + fresh)]
+            for b in out:
+                b.ref_cnt = 1
         popitem = self.free.popitem
-        for _ in range(n):
+        for _ in range(n - fresh):
             b = popitem(last=False)[1]
             if b.digest is not None:
                 self._evict(b)
