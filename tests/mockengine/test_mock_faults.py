@@ -1,0 +1,156 @@
+"""Each injected fault behaves as named, set by flag or at runtime via POST /admin/faults."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import zmq
+
+from tests.support import Server, free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+CLEAR = {
+    "error_rate": 0,
+    "latency_rate": 0,
+    "hang_rate": 0,
+    "slow_stream_ms": 0,
+    "drop_after_tokens": 0,
+    "drop_rate": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    port = free_port()
+    with Server(["mock", "--port", str(port), "--speed", "50"], port) as srv:
+        yield srv
+
+
+@pytest.fixture
+def engine(server: Server) -> Iterator[Server]:
+    yield server
+    assert httpx.post(server.url + "/admin/faults", json=CLEAR).status_code == 200
+
+
+def set_faults(srv: Server, **faults: object) -> None:
+    r = httpx.post(srv.url + "/admin/faults", json=faults)
+    assert r.status_code == 200, r.text
+
+
+def complete(srv: Server, timeout: float = 10, **body: object) -> httpx.Response:
+    payload = {"prompt": "fault", "max_tokens": 2, **body}
+    return httpx.post(srv.url + "/v1/completions", json=payload, timeout=timeout)
+
+
+def test_error_fault_by_flag_answers_with_the_chosen_status() -> None:
+    port = free_port()
+    args = ["mock", "--port", str(port), "--fault-error-rate", "1", "--fault-error-codes", "503"]
+    with Server(args, port) as srv:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            c.completions.create(model="mock-model", prompt="x", max_tokens=1)
+    assert info.value.status_code == 503
+    assert "injected fault" in info.value.message
+
+
+def test_error_fault_at_runtime_then_cleared(engine: Server) -> None:
+    set_faults(engine, error_rate=1.0, error_codes=[429])
+    failed = complete(engine)
+    set_faults(engine, error_rate=0)
+    assert failed.status_code == 429
+    assert failed.json()["error"]["code"] == 429
+    assert complete(engine).status_code == 200
+
+
+def test_admin_rejects_unknown_fault_settings(engine: Server) -> None:
+    r = httpx.post(engine.url + "/admin/faults", json={"explode": 1})
+    assert r.status_code == 400
+    assert "explode" in r.json()["error"]["message"]
+
+
+def test_latency_spike_delays_the_answer(engine: Server) -> None:
+    set_faults(engine, latency_rate=1.0, latency_ms=300)
+    started = time.monotonic()
+    r = complete(engine)
+    assert r.status_code == 200
+    assert time.monotonic() - started >= 0.3
+
+
+def test_hang_accepts_and_never_answers(engine: Server) -> None:
+    set_faults(engine, hang_rate=1.0)
+    with pytest.raises(httpx.ReadTimeout):
+        complete(engine, timeout=0.5)
+    set_faults(engine, hang_rate=0)
+    assert complete(engine).status_code == 200
+
+
+def test_slow_stream_spaces_out_the_chunks(engine: Server) -> None:
+    set_faults(engine, slow_stream_ms=100)
+    started = time.monotonic()
+    r = complete(engine, max_tokens=4, stream=True)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert time.monotonic() - started >= 0.4
+
+
+def test_drop_cuts_the_connection_mid_stream(engine: Server) -> None:
+    set_faults(engine, drop_after_tokens=3)
+    received: list[str] = []
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream(
+            "POST",
+            engine.url + "/v1/completions",
+            json={"prompt": "x", "max_tokens": 50, "stream": True},
+        ) as r:
+            for line in r.iter_lines():
+                received.append(line)
+    data = [line for line in received if line.startswith("data: ")]
+    assert 1 <= len(data) < 50
+    assert "data: [DONE]" not in data
+
+
+def test_crash_fault_exits_the_process_after_n_requests() -> None:
+    port = free_port()
+    srv = Server(["mock", "--port", str(port), "--speed", "50", "--fault-crash-after", "2"], port)
+    with srv:
+        assert complete(srv).status_code == 200
+        assert complete(srv).status_code == 200
+        with pytest.raises(httpx.TransportError):
+            complete(srv)
+        assert srv.proc is not None
+        assert srv.proc.wait(timeout=5) != 0
+
+
+def test_kv_gap_skips_event_sequence_numbers() -> None:
+    port, events = free_port(), free_port()
+    args = ["mock", "--port", str(port), "--speed", "50", "--kv-events-port", str(events)]
+    with Server(args, port) as srv:
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 3000)
+        sub.connect(f"tcp://127.0.0.1:{events}")
+        try:
+            seqs: list[int] = []
+            while not seqs:
+                complete(srv, prompt="warm up " * 20)
+                try:
+                    seqs.append(int.from_bytes(sub.recv_multipart(zmq.NOBLOCK)[1], "big"))
+                except zmq.Again:
+                    time.sleep(0.05)
+            set_faults(srv, kv_gap=5)
+            complete(srv, prompt="after the gap " * 20)
+            sub.setsockopt(zmq.RCVTIMEO, 500)
+            while True:
+                try:
+                    seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+                except zmq.Again:
+                    break
+        finally:
+            sub.close(linger=0)
+    steps = [b - a for a, b in zip(seqs, seqs[1:], strict=False)]
+    assert sorted(set(steps)) == [1, 6] or steps == [6]
+    assert steps.count(6) == 1
