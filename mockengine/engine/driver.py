@@ -41,6 +41,59 @@ class _Channel:
             w.set_result(None)
 
 
+class _Stream:
+    """One request's outputs. Closing it, cancelling a wait on it or dropping it before the
+    end aborts the request (also when it was never iterated, unlike an async generator)."""
+
+    __slots__ = ("_engine", "_seq", "_channel", "_done")
+
+    def __init__(self, engine: RealClockEngine, seq: Seq, channel: _Channel) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._channel = channel
+        self._done = False
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> TokenOutput:
+        channel = self._channel
+        buf = channel.buf
+        while not buf:
+            if self._done:
+                raise StopAsyncIteration
+            waiter = channel.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            except BaseException:
+                self._abort()
+                raise
+            finally:
+                channel.waiter = None
+        out = buf.popleft()
+        if out.finished:
+            self._done = True
+            self._seq.sink = None
+        return out
+
+    async def aclose(self) -> None:
+        self._abort()
+
+    def _abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._seq.sink = None
+            self._engine.core.abort(self._seq.request_id)
+
+    def __del__(self) -> None:
+        # Garbage collection can run in the middle of a step: defer the abort to the loop.
+        if not self._done:
+            self._done = True
+            loop = self._engine._loop
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._engine.core.abort, self._seq.request_id)
+
+
 class RealClockEngine:
     """Drives :class:`EngineCore` in wall time scaled by ``config.speed``."""
 
@@ -53,6 +106,7 @@ class RealClockEngine:
         self._speed = config.speed
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._t0 = 0.0
 
     # ------------------------------------------------------------------ AsyncEngine
@@ -60,7 +114,7 @@ class RealClockEngine:
     async def start(self) -> None:
         if self._task is not None:
             return
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._t0 = loop.time()
         self._task = loop.create_task(self._run(), name=f"engine-rank-{self.dp_rank}")
 
@@ -82,28 +136,7 @@ class RealClockEngine:
         channel = _Channel()
         seq.sink = channel
         self._wake.set()
-        return self._stream(seq, channel)
-
-    async def _stream(self, seq: Seq, channel: _Channel) -> AsyncIterator[TokenOutput]:
-        loop = asyncio.get_running_loop()
-        buf = channel.buf
-        done = False
-        try:
-            while True:
-                while buf:
-                    out = buf.popleft()
-                    if out.finished:
-                        done = True
-                    yield out
-                    if done:
-                        return
-                channel.waiter = loop.create_future()
-                await channel.waiter
-                channel.waiter = None
-        finally:
-            seq.sink = None
-            if not done:
-                self.core.abort(seq.request_id)
+        return _Stream(self, seq, channel)
 
     def abort(self, request_id: str) -> None:
         seq = self.core.abort(request_id)

@@ -66,6 +66,30 @@ async def test_closing_the_stream_aborts_and_frees_slot_and_blocks(
     assert "long" not in engine.core.seqs
 
 
+async def test_closing_a_stream_never_iterated_aborts_the_request(
+    engine: RealClockEngine,
+) -> None:
+    stream = engine.generate(EngineRequest("unread", prompt(300), 500))
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert "unread" not in engine.core.seqs
+    assert engine.stats().num_waiting == 0
+
+
+async def test_cancelling_the_consumer_aborts_the_request(engine: RealClockEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(EngineRequest("c", prompt(40), 5000)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "c" not in engine.core.seqs and engine.stats().num_running == 0
+
+
 async def test_abort_by_id_ends_the_stream(engine: RealClockEngine) -> None:
     outs: list[TokenOutput] = []
 
