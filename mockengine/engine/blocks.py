@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from mockengine.engine.events import BlockRemoved, KVEvent
+from mockengine.engine.events import AllBlocksCleared, BlockRemoved, KVEvent
 
 
 class Block:
@@ -108,3 +108,14 @@ class BlockPool:
             self.cached[digest] = {b.block_id: b}
         else:
             same[b.block_id] = b
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block, as vLLM's ``reset_prefix_cache``: refused while any
+        block is in use, else one ``AllBlocksCleared``."""
+        if self.num_free != self.num_gpu_blocks - 1:
+            return False
+        for b in self.free.values():
+            b.digest = None
+        self.cached.clear()
+        self.events.append(AllBlocksCleared())
+        return True

@@ -161,6 +161,12 @@ class EngineCore:
         self.seqs.pop(request_id, None)
         return True
 
+    def reset_prefix_cache(self, now: float = 0.0, ts: float | None = None) -> bool:
+        ok = self.pool.reset_prefix_cache()
+        if ok:
+            self._flush_events(now if ts is None else ts)
+        return ok
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
@@ -217,10 +223,13 @@ class EngineCore:
 
         result = self._execute(now, scheduled)
         if pool.events:
-            events, pool.events = pool.events, []
-            if self.event_sink is not None:
-                self.event_sink(KVEventBatch(now if ts is None else ts, events, self.dp_rank))
+            self._flush_events(now if ts is None else ts)
         return result
+
+    def _flush_events(self, ts: float) -> None:
+        events, self.pool.events = self.pool.events, []
+        if self.event_sink is not None and events:
+            self.event_sink(KVEventBatch(ts, events, self.dp_rank))
 
     def _schedule_waiting(self, now: float, budget: int, scheduled: list[tuple[Seq, int]]) -> None:
         bs = self.block_size

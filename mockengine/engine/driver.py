@@ -146,6 +146,10 @@ class RealClockEngine:
     def release_held(self, request_id: str) -> bool:
         return self.core.release_held(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``: refused (False) while blocks are in use."""
+        return self.core.reset_prefix_cache(self.model_now(), time.time())
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 

@@ -10,7 +10,7 @@ import pytest
 from mockengine.engine.api import EngineRequest
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore
-from mockengine.engine.events import BlockRemoved, BlockStored, KVEventBatch
+from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from mockengine.engine.virtual import VirtualFleet, simulate
 
 pytestmark = pytest.mark.timeout(30)
@@ -281,3 +281,22 @@ def test_router_hook_chooses_the_engine_at_arrival() -> None:
     results = fleet.run()
     assert sorted(r.engine_index for r in results) == [0, 0, 1, 1]
     assert [s[1] for s in seen] == [0, 1, 2, 3]
+
+
+def test_reset_prefix_cache_clears_hits_and_emits_all_blocks_cleared() -> None:
+    batches: list[KVEventBatch] = []
+    core = EngineCore(cfg(), event_sink=batches.append)
+    core.add_request(req("a", prompt(100), 1))
+    t = run_core(core)
+    assert core.reset_prefix_cache(t) is True
+    assert isinstance(batches[-1].events[-1], AllBlocksCleared)
+    again = core.add_request(req("b", prompt(100), 1))
+    run_core(core, t)
+    assert again.num_cached_tokens == 0
+
+
+def test_reset_prefix_cache_is_refused_while_requests_hold_blocks() -> None:
+    core = EngineCore(cfg())
+    core.add_request(req("a", prompt(100), 50))
+    core.step(0.0)
+    assert core.reset_prefix_cache() is False
