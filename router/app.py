@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -147,7 +147,7 @@ class RouterApp:
             if key not in HOP_BY_HOP:
                 forward_headers[key.decode("latin-1")] = value.decode("latin-1")
         if request_id is None:
-            request_id = uuid.uuid4().hex.encode()
+            request_id = os.urandom(16).hex().encode()
             forward_headers["x-request-id"] = request_id.decode()
         response = _Response(send)
         status, worker_id = 500, "none"
@@ -170,7 +170,8 @@ class RouterApp:
             ranked = self.scheduler.schedule(ctx, candidates)
             if not ranked:
                 raise self._unavailable("No worker can take this request now")
-            self.metrics.decisions.labels(self.scheduler.policy, ranked[0].id).inc()
+            m = self.metrics
+            m.child(m.decisions, self.scheduler.policy, ranked[0].id).inc()
             assert task is not None
             watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
             status, worker_id = await self.forwarder.forward(
@@ -198,8 +199,9 @@ class RouterApp:
         finally:
             if watcher is not None:
                 watcher.cancel()
-        self.metrics.requests.labels(route, str(status), worker_id).inc()
-        self.metrics.latency.labels(route).observe(time.perf_counter() - started)
+        m = self.metrics
+        m.child(m.requests, route, str(status), worker_id).inc()
+        m.child(m.latency, route).observe(time.perf_counter() - started)
 
     async def _read_body(self, receive: Receive, content_length: int | None) -> bytes:
         limit = self.settings.max_body_bytes

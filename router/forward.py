@@ -136,7 +136,7 @@ class Forwarder:
         ticket: Ticket,
     ) -> None:
         out_headers = response_headers(resp, request_id)
-        ttft = self.metrics.ttft.labels(req.route)
+        ttft = self.metrics.child(self.metrics.ttft, req.route)
         content_type = resp.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
             await send(
