@@ -626,6 +626,9 @@ class EngineServer:
         self.inflight[plan.rank] += 1
         try:
             await run.go()
+        except DropConnection:
+            # Returning with the response unfinished makes the server cut the connection.
+            return
         except asyncio.CancelledError:
             if not run.disconnected or task is None:
                 raise
