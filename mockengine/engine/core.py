@@ -170,10 +170,11 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def next_wakeup(self) -> float | None:
-        """The earliest model time something becomes due without a step (transfer, hold)."""
-        times = [s.remote_ready_at for s in self.waiting if s.remote_ready_at > 0.0]
-        times.extend(s.held_until for s in self.held.values())
+    def next_wakeup(self, after: float = 0.0) -> float | None:
+        """The earliest model time after ``after`` that something becomes due without a
+        step (a P/D transfer lands, a hold expires)."""
+        times = [s.remote_ready_at for s in self.waiting if s.remote_ready_at > after]
+        times.extend(s.held_until for s in self.held.values() if s.held_until > after)
         return min(times) if times else None
 
     def ready(self, now: float) -> bool:

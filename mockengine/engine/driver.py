@@ -140,10 +140,12 @@ class RealClockEngine:
 
     def abort(self, request_id: str) -> None:
         seq = self.core.abort(request_id)
+        self._wake.set()
         if seq is not None and isinstance(seq.sink, _Channel):
             seq.sink.push(TokenOutput(seq.num_generated, True, "abort", seq.num_cached_tokens))
 
     def release_held(self, request_id: str) -> bool:
+        self._wake.set()
         return self.core.release_held(request_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -179,6 +181,11 @@ class RealClockEngine:
                 log.exception("engine step failed; failing all requests")
                 self._fail_all()
                 raise
+            if not result.num_scheduled:
+                # Queued work that cannot get blocks (held by P/D prefills): wait for a change.
+                await self._idle(loop, t0)
+                deadline = loop.time()
+                continue
             deadline += result.duration / speed
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
@@ -198,8 +205,9 @@ class RealClockEngine:
     async def _idle(self, loop: asyncio.AbstractEventLoop, t0: float) -> None:
         """Sleep until a request arrives or a transfer / hold comes due."""
         self._wake.clear()
-        self.core.expire_held((loop.time() - t0) * self._speed)
-        due = self.core.next_wakeup()
+        now = (loop.time() - t0) * self._speed
+        self.core.expire_held(now)
+        due = self.core.next_wakeup(now)
         handle = loop.call_at(t0 + due / self._speed, self._wake.set) if due is not None else None
         try:
             await self._wake.wait()

@@ -126,14 +126,15 @@ class VirtualFleet:
     def _start_step(self, index: int, t: float) -> None:
         eng = self.engines[index]
         core = eng.core
-        if not core.ready(t):
+        result = core.step(t) if core.ready(t) else None
+        if result is None or not result.num_scheduled:
+            # Idle, or queued work that cannot get blocks (held by P/D prefills).
             core.expire_held(t)
-            due = core.next_wakeup()
+            due = core.next_wakeup(t)
             if due is not None and (eng.wake_at is None or due < eng.wake_at):
                 eng.wake_at = due
                 heapq.heappush(self._heap, (due, next(self._tie), _WAKE, index))
             return
-        result = core.step(t)
         eng.busy = True
         done = t + result.duration
         heapq.heappush(self._heap, (done, next(self._tie), _STEP_DONE, (index, result.progressed)))

@@ -36,7 +36,7 @@ def run_core(core: EngineCore, t: float = 0.0, limit: int = 100_000) -> float:
         if not core.has_work():
             return t
         if not core.ready(t):
-            due = core.next_wakeup()
+            due = core.next_wakeup(t)
             assert due is not None
             t = max(t, due)
             continue
@@ -300,3 +300,17 @@ def test_reset_prefix_cache_is_refused_while_requests_hold_blocks() -> None:
     core.add_request(req("a", prompt(100), 50))
     core.step(0.0)
     assert core.reset_prefix_cache() is False
+
+
+def test_work_blocked_by_held_blocks_waits_for_the_hold_to_expire() -> None:
+    c = cfg(num_gpu_blocks=12, held_kv_timeout_s=3.0)  # 11 usable blocks
+    held, blocked = simulate(
+        c,
+        [
+            (0.0, req("p", prompt(160), 1, hold_kv_after_prefill=True)),  # holds 10 blocks
+            (0.1, req("q", prompt(64, 5000), 2)),  # needs 5
+        ],
+    )
+    assert held.finish_time is not None and blocked.first_token_time is not None
+    assert blocked.first_token_time >= held.finish_time + 3.0
+    assert blocked.output_tokens == 2

@@ -191,3 +191,32 @@ async def test_real_and_virtual_clock_agree_on_the_same_workload() -> None:
         assert times[0] - t == pytest.approx(v.ttft, abs=0.03)
         assert times[-1] == pytest.approx(v.finish_time, rel=0.25, abs=0.03)
     assert sum(v.num_cached_tokens for v in virtual) > 0
+
+
+async def test_release_of_held_blocks_wakes_a_request_waiting_for_them() -> None:
+    e = RealClockEngine(cfg(num_gpu_blocks=12, held_kv_timeout_s=1000.0))  # 11 usable
+    await e.start()
+    try:
+        await collect(e, EngineRequest("p", prompt(160), 1, hold_kv_after_prefill=True))
+        blocked = asyncio.create_task(collect(e, EngineRequest("q", prompt(64, 5000), 2)))
+        await asyncio.sleep(0.05)
+        assert not blocked.done() and e.stats().num_waiting == 1
+        e.release_held("p")
+        outs = await asyncio.wait_for(blocked, 5)
+        assert outs[-1].num_generated == 2
+    finally:
+        await e.stop()
+
+
+async def test_stream_lasts_its_model_time_divided_by_speed() -> None:
+    e = RealClockEngine(cfg(speed=20.0, context_token_us=0.0))
+    await e.start()
+    try:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await collect(e, EngineRequest("t", prompt(16), 101))
+        wall = loop.time() - start
+        model = (5753 + 16 * 17.25 + 100 * (5753 + 6.0)) * 1e-6
+        assert model / 20.0 <= wall < 2 * model / 20.0
+    finally:
+        await e.stop()
