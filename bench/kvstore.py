@@ -22,6 +22,7 @@ import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvstore.events import BlockStored, EventBatch  # noqa: E402
 from kvstore.feed import Feed  # noqa: E402
 from kvstore.index import Location  # noqa: E402
 from kvstore.ingest import Ingestor  # noqa: E402
@@ -103,30 +104,32 @@ async def bench_ingest(store: KVStore, label: str, payloads: list[bytes], blocks
 def bench_memory_bytes(n_blocks: int) -> None:
     rng = random.Random(3)
     chunks = [[rng.randrange(8000) for _ in range(64 * BLOCK)] for _ in range(n_blocks // 64)]
-    gc.collect()
-    tracemalloc.start()
-    idx = MemoryIndex(BLOCK, capacity_blocks=n_blocks * 2)
-    ing = Ingestor("http://127.0.0.1:8001", BLOCK)
-    base, _ = tracemalloc.get_traced_memory()
-    h = 1 << 63
-    for i, tokens in enumerate(chunks):
-        keys = block_keys(tokens, BLOCK)
-        idx.add_sync(keys, Location(f"http://127.0.0.1:{8001 + i % 16}"))
-    after_index, _ = tracemalloc.get_traced_memory()
-    from kvstore.events import BlockStored, EventBatch
 
-    for tokens in chunks:
-        ev = BlockStored(list(range(h, h + 64)), None, tokens, BLOCK)
-        h += 64
-        ing.ops(EventBatch(0.0, [ev]))
-    after_map, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    n = len(idx)
-    line(
-        f"memory per indexed block ({n:,} blocks, 16 engines)",
-        f"{(after_index - base) / n:.0f} B/block in the index, "
-        f"+{(after_map - after_index) / n:.0f} B/block engine-hash map of the ingestor",
-    )
+    def index_only() -> MemoryIndex:
+        idx = MemoryIndex(BLOCK, capacity_blocks=n_blocks * 2)
+        for i, tokens in enumerate(chunks):
+            idx.add_sync(block_keys(tokens, BLOCK), Location(f"http://127.0.0.1:{8001 + i % 16}"))
+        return idx
+
+    def via_events() -> tuple[MemoryIndex, list[Ingestor]]:
+        idx = MemoryIndex(BLOCK, capacity_blocks=n_blocks * 2)
+        ings = [Ingestor(f"http://127.0.0.1:{8001 + e}", BLOCK) for e in range(16)]
+        h = 1 << 63
+        for i, tokens in enumerate(chunks):
+            ev = BlockStored(list(range(h, h + 64)), None, tokens, BLOCK)
+            h += 64
+            idx.apply_sync(ings[i % 16].ops(EventBatch(0.0, [ev])))
+        return idx, ings
+
+    for name, build in (("index only", index_only), ("index + engine-hash maps", via_events)):
+        gc.collect()
+        tracemalloc.start()
+        kept = build()
+        used, _ = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        n = len(kept[0] if isinstance(kept, tuple) else kept)
+        line(f"memory per indexed block, {name} ({n:,} blocks)", f"{used / n:.0f} B/block")
+        del kept
 
 
 def bench_tokenize() -> None:

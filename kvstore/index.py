@@ -115,7 +115,7 @@ class KVIndex(Protocol):
         """Every known location with the number of blocks it holds."""
 
     async def size(self) -> int:
-        """Number of distinct indexed block keys."""
+        """Indexed (block, location) entries."""
 
     async def ping(self) -> None:
         """Raise if the backend cannot answer."""

@@ -281,7 +281,7 @@ class MemoryIndex:
         return self.locations_sync()
 
     async def size(self) -> int:
-        return len(self._map)
+        return sum(c for c, loc in zip(self._count, self._loc, strict=True) if loc is not None)
 
     async def ping(self) -> None:
         return None

@@ -29,7 +29,9 @@ class KVStoreMetrics:
         self.lag = Gauge(
             p + "event_lag_seconds", "Now minus the last batch timestamp", ["instance"], registry=r
         )
-        self.index_blocks = Gauge(p + "index_blocks", "Distinct indexed block keys", registry=r)
+        self.index_blocks = Gauge(
+            p + "index_blocks", "Indexed (block, location) entries", registry=r
+        )
         self.lookups = Counter(p + "lookups", "Lookups answered", ["outcome"], registry=r)
         self.lookup_seconds = Histogram(
             p + "lookup_seconds",

@@ -1,14 +1,17 @@
 """Redis prefix index: shared by router replicas.
 
-Layout under a key prefix (namespace) ``P``:
-- ``P b:<8-byte key>``: hash, field ``instance \\t rank \\t tier`` -> expiry in ms (0 = held
-  until removed). The key itself carries an idle TTL refreshed on every store, so blocks
-  of a vanished engine age out; put Redis in ``allkeys-lru`` to bound memory by LRU too.
-- ``P l:<field>``: set of the block keys a location holds (to clear it).
-- ``P locs``: set of known location fields.
+Layout under a key prefix (namespace) ``P``, per location field ``instance \\t rank \\t tier``:
+- ``P l:<field>``: SET of the 8-byte block keys the engine confirmed (events);
+- ``P s:<field>``: ZSET of speculative block keys scored by expiry (ms since epoch);
+- ``P locs``: SET of known location fields.
+Both per-location keys carry an idle TTL refreshed on every store, so the blocks of an
+engine that vanished without a clear age out; expired speculative members are purged
+on the next speculative store.
 
-Every update and the lookup run as Lua scripts: each is atomic, and the lookup walks
-the blocks server-side in one round trip, stopping at the first miss.
+Updates and the lookup are Lua scripts, so each is atomic and one round trip. The lookup
+asks each location for a chunk of block keys at once (SMISMEMBER / ZMSCORE) and stops
+at the first miss: its cost grows with the matched prefix and the number of locations,
+not with a per-block command.
 """
 
 from __future__ import annotations
@@ -32,29 +35,44 @@ from kvstore.index import (
 
 _ADD = """
 local p, f, exp, ttl, blob = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-local lset = p .. 'l:' .. f
+local lset, zset = p .. 'l:' .. f, p .. 's:' .. f
 redis.call('SADD', p .. 'locs', f)
-for off = 1, #blob, 8 do
-  local kid = string.sub(blob, off, off + 7)
-  local k = p .. 'b:' .. kid
-  local cur = redis.call('HGET', k, f)
-  if exp == 0 or not cur or (cur ~= '0' and tonumber(cur) < exp) then
-    redis.call('HSET', k, f, ARGV[3])
+local kids = {}
+for off = 1, #blob, 8 do kids[#kids + 1] = string.sub(blob, off, off + 7) end
+for i = 1, #kids, 1000 do
+  local j = math.min(#kids, i + 999)
+  if exp == 0 then
+    redis.call('SADD', lset, unpack(kids, i, j))
+    if redis.call('EXISTS', zset) == 1 then redis.call('ZREM', zset, unpack(kids, i, j)) end
+  else
+    local held = redis.call('SMISMEMBER', lset, unpack(kids, i, j))
+    local args = {}
+    for q = 1, #held do
+      if held[q] == 0 then
+        args[#args + 1] = exp
+        args[#args + 1] = kids[i + q - 1]
+      end
+    end
+    if #args > 0 then redis.call('ZADD', zset, 'GT', unpack(args)) end
   end
-  if redis.call('PTTL', k) < ttl then redis.call('PEXPIRE', k, ttl) end
-  redis.call('SADD', lset, kid)
 end
-if redis.call('PTTL', lset) < ttl then redis.call('PEXPIRE', lset, ttl) end
+if exp == 0 then
+  redis.call('PEXPIRE', lset, ttl)
+else
+  redis.call('ZREMRANGEBYSCORE', zset, '-inf', '(' .. ARGV[6])
+  if redis.call('PTTL', zset) < ttl then redis.call('PEXPIRE', zset, ttl) end
+end
 return 1
 """
 
 _REMOVE = """
 local p, f, blob = ARGV[1], ARGV[2], ARGV[3]
-local lset = p .. 'l:' .. f
-for off = 1, #blob, 8 do
-  local kid = string.sub(blob, off, off + 7)
-  redis.call('HDEL', p .. 'b:' .. kid, f)
-  redis.call('SREM', lset, kid)
+local kids = {}
+for off = 1, #blob, 8 do kids[#kids + 1] = string.sub(blob, off, off + 7) end
+for i = 1, #kids, 1000 do
+  local j = math.min(#kids, i + 999)
+  redis.call('SREM', p .. 'l:' .. f, unpack(kids, i, j))
+  redis.call('ZREM', p .. 's:' .. f, unpack(kids, i, j))
 end
 return 1
 """
@@ -62,58 +80,54 @@ return 1
 _CLEAR = """
 local p = ARGV[1]
 for i = 2, #ARGV do
-  local f = ARGV[i]
-  local lset = p .. 'l:' .. f
-  for _, kid in ipairs(redis.call('SMEMBERS', lset)) do
-    redis.call('HDEL', p .. 'b:' .. kid, f)
-  end
-  redis.call('DEL', lset)
-  redis.call('SREM', p .. 'locs', f)
+  redis.call('DEL', p .. 'l:' .. ARGV[i], p .. 's:' .. ARGV[i])
+  redis.call('SREM', p .. 'locs', ARGV[i])
 end
 return 1
 """
 
 _LOOKUP = """
 local p, now, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local allowed = nil
+local n = #blob / 8
+local kids = {}
+for i = 1, n do kids[i] = string.sub(blob, i * 8 - 7, i * 8) end
+local fields
 if #ARGV > 3 then
-  allowed = {}
-  for i = 4, #ARGV do allowed[ARGV[i]] = true end
-end
-local flat = redis.call('HGETALL', p .. 'b:' .. string.sub(blob, 1, 8))
-local alive, out = {}, {}
-for j = 1, #flat, 2 do
-  local e = flat[j + 1]
-  if (e == '0' or tonumber(e) > now)
-      and (allowed == nil or allowed[string.match(flat[j], '^[^\t]*')]) then
-    alive[#alive + 1] = flat[j]
+  local wanted = {}
+  for i = 4, #ARGV do wanted[ARGV[i]] = true end
+  fields = {}
+  for _, f in ipairs(redis.call('SMEMBERS', p .. 'locs')) do
+    if wanted[string.match(f, '^[^\\t]*')] then fields[#fields + 1] = f end
   end
+else
+  fields = redis.call('SMEMBERS', p .. 'locs')
 end
-local done = 0
-if #alive > 0 then done = 1 end
-for off = 9, #blob, 8 do
-  if #alive == 0 then break end
-  local vals = redis.call('HMGET', p .. 'b:' .. string.sub(blob, off, off + 7), unpack(alive))
-  local keep = nil
-  for j = 1, #alive do
-    local e = vals[j]
-    if not e or (e ~= '0' and tonumber(e) <= now) then
-      if keep == nil then
-        keep = {}
-        for q = 1, j - 1 do keep[q] = alive[q] end
+local out = {}
+for _, f in ipairs(fields) do
+  local lset, zset = p .. 'l:' .. f, p .. 's:' .. f
+  local spec = redis.call('EXISTS', zset) == 1
+  local run, pos, size = 0, 1, 16
+  while pos <= n do
+    local last = math.min(n, pos + size - 1)
+    local held = redis.call('SMISMEMBER', lset, unpack(kids, pos, last))
+    local exp = nil
+    if spec then exp = redis.call('ZMSCORE', zset, unpack(kids, pos, last)) end
+    local miss = false
+    for j = 1, #held do
+      if held[j] == 0 and not (exp and exp[j] and tonumber(exp[j]) > now) then
+        miss = true
+        break
       end
-      out[#out + 1] = alive[j]
-      out[#out + 1] = done
-    elseif keep ~= nil then
-      keep[#keep + 1] = alive[j]
+      run = run + 1
     end
+    if miss then break end
+    pos = last + 1
+    size = 1024
   end
-  if keep ~= nil then alive = keep end
-  if #alive > 0 then done = done + 1 end
-end
-for j = 1, #alive do
-  out[#out + 1] = alive[j]
-  out[#out + 1] = done
+  if run > 0 then
+    out[#out + 1] = f
+    out[#out + 1] = run
+  end
 end
 return out
 """
@@ -130,6 +144,10 @@ def _location(field: str) -> Location:
 
 def _blob(keys: list[int]) -> bytes:
     return b"".join(k.to_bytes(8, "big") for k in keys)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class RedisIndex:
@@ -163,7 +181,7 @@ class RedisIndex:
     ) -> list[Match]:
         if not keys:
             return []
-        args: list[bytes | str | int] = [self.prefix, int(time.time() * 1000), _blob(keys)]
+        args: list[bytes | str | int] = [self.prefix, _now_ms(), _blob(keys)]
         if candidates is not None:
             if not candidates:
                 return []
@@ -172,19 +190,18 @@ class RedisIndex:
         bs = self.block_size
         out = []
         for i in range(0, len(flat), 2):
-            n = int(flat[i + 1])
-            if n:
-                loc = _location(flat[i].decode())
-                out.append(Match(loc.instance, loc.dp_rank, loc.tier, n * bs))
+            loc = _location(flat[i].decode())
+            out.append(Match(loc.instance, loc.dp_rank, loc.tier, int(flat[i + 1]) * bs))
         return rank_matches(out)
 
     def _add_args(self, keys: list[int], location: Location, ttl_s: float | None) -> list:
+        now = _now_ms()
         if ttl_s is None:
             expiry, ttl = 0, self.idle_ttl_ms
         else:
             ttl = max(1, int(ttl_s * 1000))
-            expiry = int(time.time() * 1000) + ttl
-        return [self.prefix, _field(location), expiry, ttl, _blob(keys)]
+            expiry = now + ttl
+        return [self.prefix, _field(location), expiry, ttl, _blob(keys), now]
 
     async def add(self, keys: list[int], location: Location, ttl_s: float | None = None) -> None:
         if keys:
@@ -230,18 +247,22 @@ class RedisIndex:
 
     async def locations(self) -> list[LocationInfo]:
         fields = [f.decode() for f in await self._r.smembers(self.prefix + "locs")]
+        if not fields:
+            return []
+        now = _now_ms()
         pipe = self._r.pipeline(transaction=False)
         for f in fields:
             pipe.scard(self.prefix + "l:" + f)
-        counts = await pipe.execute() if fields else []
-        return [LocationInfo(_location(f), int(c)) for f, c in zip(fields, counts, strict=True)]
+            pipe.zcount(self.prefix + "s:" + f, f"({now}", "+inf")
+        counts = await pipe.execute()
+        return [
+            LocationInfo(_location(f), int(counts[2 * i]) + int(counts[2 * i + 1]))
+            for i, f in enumerate(fields)
+        ]
 
     async def size(self) -> int:
-        """Distinct block keys, counted by SCAN (for /metrics and tests, not the hot path)."""
-        n = 0
-        async for _ in self._r.scan_iter(match=self.prefix + "b:*", count=1000):
-            n += 1
-        return n
+        """Indexed (block, location) entries."""
+        return sum(info.blocks for info in await self.locations())
 
     async def ping(self) -> None:
         await self._r.ping()

@@ -118,4 +118,4 @@ async def test_locations_count_their_blocks(index: KVIndex) -> None:
         for i in await index.locations()
     }
     assert counts[(A, 0, "gpu")] == 5 and counts[(B, 2, "cpu")] == 1
-    assert await index.size() == 5
+    assert await index.size() == 6
