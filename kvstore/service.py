@@ -180,6 +180,12 @@ def create_app(store: KVStore) -> FastAPI:
             raise HTTPException(422, str(exc)) from exc
         return Response(status_code=204)
 
+    @app.delete("/v1/subscriptions", status_code=204)
+    async def unsubscribe(endpoint: str = Query(description="The publisher endpoint.")) -> Response:
+        """Stop following a publisher (its indexed blocks stay until cleared)."""
+        await store.unsubscribe(endpoint)
+        return Response(status_code=204)
+
     @app.get("/v1/instances", response_model=list[InstanceOut])
     async def instances() -> list[InstanceOut]:
         """Known engine instances: indexed blocks per (rank, tier) and event feeds."""
