@@ -116,6 +116,28 @@ async def test_lost_batches_are_recovered_by_replay(store: KVStore) -> None:
         pub.close()
 
 
+async def test_a_store_that_joins_late_converges_on_new_prefixes(store: KVStore) -> None:
+    pub = publisher()
+    try:
+        pub.publish(stored(TOKENS[:16], [11]))  # before the store listens: never seen
+        await asyncio.sleep(0.05)
+        store.subscribe(E, pub.endpoint)
+        await joined(store, pub)
+        pub.publish(stored(TOKENS[16:32], [12], parent=11))  # child of an unseen parent
+        fresh = list(range(700, 732))
+        pub.publish(stored(fresh, [21, 22]))
+
+        async def fresh_found() -> bool:
+            return await matched(store, fresh) == 32
+
+        await eventually(fresh_found)
+        assert await matched(store) == 0
+        reg = store.metrics.registry
+        assert reg.get_sample_value("switchyard_kvstore_orphan_blocks_total") == 1
+    finally:
+        pub.close()
+
+
 async def test_a_gap_without_replay_clears_the_instance(store: KVStore) -> None:
     pub = publisher()
     other = list(range(500, 516))
@@ -143,24 +165,29 @@ async def test_a_gap_without_replay_clears_the_instance(store: KVStore) -> None:
         pub.close()
 
 
-def test_a_chat_served_by_the_mock_engine_is_found_by_the_kvstore_service() -> None:
-    """End to end: real mock engine process, real kvstore process, same tokenizer dir."""
+@pytest.mark.parametrize(
+    ("flavor", "encoding", "tokenizer"),
+    [("vllm", "map", "dir"), ("sglang", "array", "engine")],
+)
+def test_a_chat_served_by_the_mock_engine_is_found_by_the_kvstore_service(
+    flavor: str, encoding: str, tokenizer: str
+) -> None:
+    """End to end: real mock engine process, real kvstore process, the engine's tokenizer
+    (read from the same directory, or asked over the engine's ``/tokenize``)."""
     zmq_port, engine_port = free_port(), free_port()
     engine_args = ["mock", "--port", str(engine_port), "--block-size", "16", "--speed", "100"]
+    engine_args += ["--flavor", flavor, "--kv-events-encoding", encoding]
     engine_args += ["--kv-events-port", str(zmq_port), "--tokenizer", str(TOKENIZER_DIR)]
     engine = Server(engine_args, engine_port)
     kv_port = free_port()
+    tok_args = (
+        ["--tokenizer", str(TOKENIZER_DIR)]
+        if tokenizer == "dir"
+        else ["--tokenize-url", engine.url]
+    )
+    subscription = f"{engine.url}=tcp://127.0.0.1:{zmq_port},flavor={flavor}"
     store = Server(
-        [
-            "kvstore",
-            "--port",
-            str(kv_port),
-            "--tokenizer",
-            str(TOKENIZER_DIR),
-            "--subscribe",
-            f"{engine.url}=tcp://127.0.0.1:{zmq_port}",
-        ],
-        kv_port,
+        ["kvstore", "--port", str(kv_port), *tok_args, "--subscribe", subscription], kv_port
     )
     messages = [
         {"role": "system", "content": "You answer questions about routing. " * 30},
