@@ -39,8 +39,7 @@ def chain_keys(parent: int, token_ids: Sequence[int], block_size: int, seed: int
     n = len(token_ids) // block_size
     if n == 0:
         return []
-    arr = array("I", token_ids[: n * block_size]) if not isinstance(token_ids, array) else token_ids
-    raw = arr.tobytes()
+    raw = array("I", token_ids[: n * block_size]).tobytes()
     step = block_size * 4
     keys: list[int] = []
     append = keys.append

@@ -69,6 +69,16 @@ class _LRU:
             self.tokens -= len(dropped)
 
 
+def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """What the post-processor wraps a single sequence in (e.g. BOS), learned from a probe."""
+    bare = tokenizer.encode("routing probe", add_special_tokens=False).ids
+    full = tokenizer.encode("routing probe", add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return [], []
+
+
 def _render_plain_chat(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
     """ChatML rendering for modes without a template (approximate mode)."""
     parts = []
@@ -106,12 +116,13 @@ class RoutingTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(chat_template) if chat_template else None
         self._cache = _LRU(cache_tokens)
-        self._prefix_ids: list[int] = []
+        self._bos: list[int] = []
+        self._eos: list[int] = []
         self._split: re.Pattern[str] | None = None
         self.exact = tokenizer is not None or engine_url is not None
         self.cut_pieces = False
         if tokenizer is not None:
-            self._prefix_ids = tokenizer.encode("", add_special_tokens=True).ids
+            self._bos, self._eos = _added_specials(tokenizer)
             specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
             specials = sorted((s for s in specials if s), key=len, reverse=True)
             if specials:
@@ -180,7 +191,8 @@ class RoutingTokenizer:
             if self._engine_url is not None:
                 return self._engine_tokenize_sync({"prompt": prompt})
             return self._approx(prompt)
-        return self._prefix_ids + self._encode_text(prompt)
+        ids = self._encode_text(prompt)
+        return self._bos + ids + self._eos if self._bos or self._eos else ids
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from tokenizers import Tokenizer, processors
 
 from kvstore.keys import block_keys, key_extra
 from kvstore.tokenize import RoutingTokenizer
@@ -82,3 +83,13 @@ def test_approximate_mode_is_prefix_stable_and_says_so() -> None:
 
 def test_token_id_prompts_pass_through(tok: RoutingTokenizer) -> None:
     assert tok.encode_prompt([5, 6, 7]) == [5, 6, 7]
+
+
+def test_prompts_get_the_special_tokens_the_tokenizer_adds_like_the_engine() -> None:
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    hf.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|endoftext|>",
+        special_tokens=[("<|im_start|>", 1), ("<|endoftext|>", 0)],
+    )
+    text = "a prompt\nover two lines " * 40
+    assert RoutingTokenizer(tokenizer=hf).encode_prompt(text) == hf.encode(text).ids
