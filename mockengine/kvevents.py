@@ -82,7 +82,7 @@ def _event_map(ev: object) -> dict[str, Any]:
             "lora_id": ev.lora_id,
             "medium": ev.medium,
             "lora_name": ev.lora_name,
-            "extra_keys": [None] * len(ev.block_hashes),
+            "extra_keys": ev.extra_keys or [None] * len(ev.block_hashes),
             "group_idx": 0,
             "kv_cache_spec_kind": "full_attention",
         }

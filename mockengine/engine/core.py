@@ -424,6 +424,13 @@ class EngineCore:
                 )
                 parent = h
         else:
+            req = seq.req
+            extra = None
+            if req.lora_name or req.cache_salt:
+                extra = [
+                    self.hasher.extra_keys(req.lora_name, req.cache_salt, i == 0)
+                    for i in range(start, num_full)
+                ]
             pool.events.append(
                 BlockStored(
                     hashes,
@@ -431,7 +438,8 @@ class EngineCore:
                     tokens[start * bs : num_full * bs],
                     bs,
                     None,
-                    lora_name=seq.req.lora_name,
+                    lora_name=req.lora_name,
+                    extra_keys=extra,
                 )
             )
 

@@ -8,6 +8,7 @@ for the engine flavour (vLLM: uint64, SGLang: signed int64).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MEDIUM_GPU = "GPU"
 
@@ -21,6 +22,8 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None
+    # vLLM: the extra hash keys of each block (LoRA name, cache salt), None when it has none.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -71,12 +71,19 @@ class BlockHasher:
             if first and (lora_name or cache_salt):
                 parent = hashlib.sha256(f"{lora_name or ''}\0{cache_salt or ''}".encode()).digest()
             return sglang_block_digest(parent, tokens)
+        return vllm_block_digest(parent, tokens, self.extra_keys(lora_name, cache_salt, first))
+
+    @staticmethod
+    def extra_keys(
+        lora_name: str | None, cache_salt: str | None, first: bool
+    ) -> tuple[Any, ...] | None:
+        """vLLM's per-block extra hash keys: the LoRA name, and the salt on block 0 only."""
         keys: list[Any] = []
         if lora_name:
             keys.append(lora_name)
         if first and cache_salt:
             keys.append(cache_salt)
-        return vllm_block_digest(parent, tokens, tuple(keys) if keys else None)
+        return tuple(keys) if keys else None
 
     def published(self, digest: bytes) -> int:
         return sglang_published(digest) if self.flavor == "sglang" else vllm_published(digest)

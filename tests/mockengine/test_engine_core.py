@@ -314,3 +314,14 @@ def test_work_blocked_by_held_blocks_waits_for_the_hold_to_expire() -> None:
     assert held.finish_time is not None and blocked.first_token_time is not None
     assert blocked.first_token_time >= held.finish_time + 3.0
     assert blocked.output_tokens == 2
+
+
+def test_salted_blocks_carry_their_extra_keys_in_block_stored() -> None:
+    batches: list[KVEventBatch] = []
+    core = EngineCore(cfg(), event_sink=batches.append)
+    core.add_request(req("s", prompt(40), 1, cache_salt="tenant-a", lora_name="adapter"))
+    core.step(0.0)
+    [stored] = batches[0].events
+    assert isinstance(stored, BlockStored)
+    assert stored.extra_keys == [("adapter", "tenant-a"), ("adapter",)]
+    assert stored.lora_name == "adapter"

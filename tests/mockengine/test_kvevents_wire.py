@@ -14,7 +14,7 @@ from mockengine.engine.api import EngineRequest
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore
 from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from mockengine.kvevents import END_SEQ, KVEventPublisher, offset_endpoint_port
+from mockengine.kvevents import END_SEQ, KVEventPublisher, encode_batch, offset_endpoint_port
 from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -215,3 +215,17 @@ def test_endpoint_offset_follows_vllm() -> None:
     assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
     assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
     assert offset_endpoint_port("inproc://cache", 1) == "inproc://cache_dp1"
+
+
+def test_map_encoding_carries_extra_keys_and_array_encoding_omits_them() -> None:
+    stored = BlockStored([1, 2], None, list(range(32)), 16, extra_keys=[("salt",), None])
+    batch = KVEventBatch(1.0, [stored], 0)
+    assert msgpack.unpackb(encode_batch(batch, "map"))[1][0]["extra_keys"] == [["salt"], None]
+    assert len(msgpack.unpackb(encode_batch(batch, "array"))[1][0]) == 7
+
+
+def test_batch_without_rank_is_a_two_element_array() -> None:
+    assert msgpack.unpackb(encode_batch(KVEventBatch(2.0, [AllBlocksCleared()]))) == [
+        2.0,
+        [["AllBlocksCleared"]],
+    ]
