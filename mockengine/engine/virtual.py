@@ -23,6 +23,9 @@ _ARRIVAL, _STEP_DONE, _WAKE = 0, 1, 2
 
 # A router policy: (fleet, now, request) -> engine index, called at the arrival time.
 Router = Callable[["VirtualFleet", float, EngineRequest], int]
+# Called at a request's finish time (``fleet.now``); may submit follow-ups (a P/D decode
+# leg, the next turn of a conversation) and release P/D holds.
+OnFinish = Callable[["VirtualFleet", "RequestResult"], None]
 
 
 @dataclass(slots=True)
@@ -66,10 +69,12 @@ class VirtualFleet:
         router: Router | None = None,
         event_sinks: Sequence[Callable[[KVEventBatch], None] | None] | None = None,
         record_token_times: bool = True,
+        on_finish: OnFinish | None = None,
     ) -> None:
         sinks = list(event_sinks) if event_sinks is not None else [None] * len(configs)
         self.engines = [_Engine(EngineCore(c, 0, s)) for c, s in zip(configs, sinks, strict=True)]
         self.router = router
+        self.on_finish = on_finish
         self.record_token_times = record_token_times
         self.now = 0.0
         self.results: dict[str, RequestResult] = {}
@@ -83,6 +88,14 @@ class VirtualFleet:
 
     def stats(self, engine_index: int) -> EngineStats:
         return self.engines[engine_index].core.stats()
+
+    def release_held(self, engine_index: int, request_id: str) -> bool:
+        """Free a P/D prefill's held blocks now (the decode side pulled them)."""
+        eng = self.engines[engine_index]
+        released = eng.core.release_held(request_id)
+        if released and not eng.busy:
+            self._start_step(engine_index, self.now)
+        return released
 
     def submit(self, t: float, engine_index: int | None, request: EngineRequest) -> None:
         """Schedule an arrival; ``engine_index=None`` asks the router at time ``t``."""
@@ -142,6 +155,7 @@ class VirtualFleet:
     def _step_done(self, t: float, payload: tuple[int, list]) -> None:
         index, progressed = payload
         record = self.record_token_times
+        done: list[RequestResult] = []
         for seq in progressed:
             res: RequestResult = seq.sink
             if res.first_token_time is None:
@@ -153,9 +167,14 @@ class VirtualFleet:
             if seq.finished:
                 res.finish_time = t
                 res.finish_reason = seq.finish_reason
-                self.finished.append(res)
+                done.append(res)
         self.engines[index].busy = False
-        self._start_step(index, t)
+        self.finished.extend(done)
+        if self.on_finish is not None:
+            for res in done:
+                self.on_finish(self, res)
+        if not self.engines[index].busy:
+            self._start_step(index, t)
 
 
 def simulate(

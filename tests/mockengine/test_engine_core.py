@@ -11,7 +11,7 @@ from mockengine.engine.api import EngineRequest
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore
 from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from mockengine.engine.virtual import VirtualFleet, simulate
+from mockengine.engine.virtual import RequestResult, VirtualFleet, simulate
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -325,3 +325,22 @@ def test_salted_blocks_carry_their_extra_keys_in_block_stored() -> None:
     assert isinstance(stored, BlockStored)
     assert stored.extra_keys == [("adapter", "tenant-a"), ("adapter",)]
     assert stored.lora_name == "adapter"
+
+
+def test_virtual_fleet_chains_a_pd_decode_leg_at_the_prefill_finish() -> None:
+    p = prompt(800)
+
+    def to_decode(fleet: VirtualFleet, done: RequestResult) -> None:
+        if done.engine_index == 0:
+            leg = req("d", p, 20, remote_prefilled_tokens=len(p) - 1)
+            fleet.submit(fleet.now, 1, leg)
+            fleet.release_held(0, done.request_id)
+
+    fleet = VirtualFleet([cfg(), cfg()], on_finish=to_decode)
+    fleet.submit(0.0, 0, req("p", p, 1, hold_kv_after_prefill=True))
+    prefill, decode = fleet.run()
+    assert decode.arrival == prefill.finish_time
+    assert decode.num_cached_tokens == 799 and decode.output_tokens == 20
+    assert fleet.cores[0].pool.num_free == 255
+    assert decode.ttft is not None and prefill.ttft is not None
+    assert decode.ttft < prefill.ttft
