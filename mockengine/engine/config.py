@@ -6,7 +6,12 @@ vLLM v0.8.4, from inference-sim/inference-sim ``defaults.yaml`` (``models`` entr
 ``beta_coeffs = [5752.705, 17.2509, 5.99914]`` µs and ``total_kv_blocks = 29205``.
 BLIS models one engine step as ``beta0 + beta1 * uncached prefill tokens + beta2 *
 decode tokens``; we keep those three terms and add two that the fit does not have
-(derived below from the model's shape and the hardware, so they are estimates).
+(derived below from the model's shape and the hardware, so they are estimates). BLIS's
+``alpha_coeffs`` (API-server queueing/processing outside the GPU step) are not modelled.
+
+Both flavours run the same vLLM V1-like scheduler (FCFS; ``EngineRequest.priority`` is
+not used); ``hash_flavor`` picks how block hashes are computed and published. ``speed``
+only matters on the real clock; the virtual clock runs in model time.
 """
 
 from __future__ import annotations
