@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 
 from mockengine import openai_shapes as shapes
-from mockengine.engine.api import AsyncEngine, EngineRequest, TokenOutput
+from mockengine.engine.api import EngineRequest, TokenOutput
+from mockengine.engine.driver import RealClockEngine
 from mockengine.faults import DropConnection, Faults
 from mockengine.metrics import EngineMetrics
 from mockengine.pd import Held, HeldKV, KVPuller, PullError
@@ -149,7 +150,7 @@ class EngineServer:
     def __init__(
         self,
         settings: MockSettings,
-        engines: dict[int, AsyncEngine],
+        engines: dict[int, RealClockEngine],
         tokenizer: ModelTokenizer,
         faults: Faults,
         held: HeldKV,
@@ -186,6 +187,7 @@ class EngineServer:
             ("GET", "/admin/faults"): self.get_faults,
             ("POST", "/admin/faults"): self.set_faults,
             ("POST", "/internal/kv/pull"): self.kv_pull,
+            ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -337,6 +339,16 @@ class EngineServer:
             return 200, orjson.dumps(body)
 
         await self._guard(send, work)
+
+    async def reset_prefix_cache(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``POST /reset_prefix_cache`` on every rank; 409 while blocks are in use."""
+        await read_body(receive)
+        refused = [r for r, e in self.engines.items() if not e.reset_prefix_cache()]
+        if refused:
+            message = f"prefix cache not reset on ranks {refused}: blocks in use"
+            await respond(send, 409, shapes.error_body(409, message))
+            return
+        await respond(send, 200, b"", b"text/plain")
 
     async def get_faults(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, orjson.dumps(self.faults.describe()))

@@ -27,6 +27,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestEntityTooLarge",
     429: "TooManyRequestsError",
     500: "InternalServerError",

@@ -1,0 +1,169 @@
+"""How fast one mock engine process is, and how fast the virtual clock simulates.
+
+    python bench/mockengine.py [--duration 5] [--connections 32]
+
+1. short non-stream requests/s (max_tokens=1) against one ``switchyard mock`` process;
+2. streamed tokens/s (max_tokens=200, stream=true) against the same process;
+3. virtual-clock simulation speed: simulated requests per wall second of
+   ``mockengine.engine.virtual.VirtualFleet`` (16 engines, Poisson arrivals).
+
+The load generator runs in another process: ``wrk`` when installed (it costs far less
+CPU than the server), else an aiohttp client. The mock runs with ``--speed 1000`` so
+the modelled GPU time is negligible and the figure is the HTTP front's own cost. On a
+shared 2-core machine the generator and the server compete for CPU: the numbers are a
+floor. Prints one JSON object per measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mockengine.engine.api import EngineRequest  # noqa: E402
+from mockengine.engine.config import EngineConfig  # noqa: E402
+from mockengine.engine.virtual import VirtualFleet  # noqa: E402
+from tests.support import Server, free_port  # noqa: E402
+
+SHORT = {"model": "mock-model", "prompt": "hello world, a short prompt", "max_tokens": 1}
+STREAM = {**SHORT, "max_tokens": 200, "stream": True}
+
+
+def wrk(url: str, body: dict, duration: float, connections: int) -> float:
+    """Completed requests per second reported by wrk."""
+    script = (
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(body))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(script)
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(duration))}s", "-s", f.name, url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    match = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if match is None:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    return float(match.group(1))
+
+
+def aiohttp_load(url: str, body: dict, duration: float, connections: int) -> float:
+    """The same measurement with a Python client, run in a child process."""
+    code = f"""
+import asyncio, json, time, aiohttp
+async def main():
+    done = 0
+    stop = time.monotonic() + {duration}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker():
+            nonlocal done
+            while time.monotonic() < stop:
+                async with s.post({url!r}, json={body!r}) as r:
+                    await r.read()
+                done += 1
+        await asyncio.gather(*[worker() for _ in range({connections})])
+    print(done / {duration})
+asyncio.run(main())
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def http_figures(duration: float, connections: int) -> None:
+    load = wrk if shutil.which("wrk") else aiohttp_load
+    port = free_port()
+    args = ["mock", "--port", str(port), "--speed", "1000", "--max-num-seqs", "1024"]
+    with Server(args, port) as srv:
+        url = srv.url + "/v1/completions"
+        load(url, SHORT, 1.0, connections)  # warm up
+        rps = load(url, SHORT, duration, connections)
+        print(
+            json.dumps(
+                {
+                    "figure": "short_requests_per_s",
+                    "value": round(rps),
+                    "connections": connections,
+                    "generator": load.__name__,
+                }
+            )
+        )
+        sps = load(url, STREAM, duration, connections)
+        tokens = sps * STREAM["max_tokens"]
+        print(
+            json.dumps(
+                {
+                    "figure": "streamed_tokens_per_s",
+                    "value": round(tokens),
+                    "streams_per_s": round(sps, 1),
+                    "max_tokens": STREAM["max_tokens"],
+                    "connections": connections,
+                    "generator": load.__name__,
+                }
+            )
+        )
+
+
+def virtual_figures(num_engines: int = 16, num_requests: int = 20_000, seed: int = 0) -> None:
+    """Simulated requests per wall second on one core (routing round robin)."""
+    rng = random.Random(seed)
+    fleet = VirtualFleet(
+        [EngineConfig(seed=seed) for _ in range(num_engines)], record_token_times=False
+    )
+    rate = 30.0 * num_engines  # requests per model second: a loaded but stable fleet
+    t = 0.0
+    for i in range(num_requests):
+        t += rng.expovariate(rate)
+        prefix = [1 + (i % 50)] * 256  # 50 shared system prompts
+        prompt = prefix + [rng.randrange(100, 8000) for _ in range(rng.randrange(32, 512))]
+        req = EngineRequest(f"r{i}", prompt, max_tokens=rng.randrange(16, 256))
+        fleet.submit(t, i % num_engines, req)
+    started = time.perf_counter()
+    finished = fleet.run()
+    wall = time.perf_counter() - started
+    print(
+        json.dumps(
+            {
+                "figure": "virtual_requests_per_wall_s",
+                "value": round(len(finished) / wall),
+                "engines": num_engines,
+                "requests": len(finished),
+                "simulated_s": round(fleet.now, 1),
+                "wall_s": round(wall, 2),
+                "sim_speedup": round(fleet.now / wall, 1),
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--duration", type=float, default=5.0)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument("--skip-virtual", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_http:
+        http_figures(args.duration, args.connections)
+    if not args.skip_virtual:
+        virtual_figures()
+
+
+if __name__ == "__main__":
+    main()
