@@ -13,6 +13,7 @@ import pytest
 from kvstore.index import Location
 from kvstore.redis_index import RedisIndex
 from kvstore.remote import RemoteKVStore
+from kvstore.service import create_app
 from kvstore.store import KVStore
 from tests.support import TOKENIZER_DIR, Server, free_port, redis_server
 
@@ -28,7 +29,7 @@ def stored_batch(tokens: list[int], first_hash: int) -> list:
 
 
 async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() -> None:
-    with redis_server() as (url, _):
+    with redis_server() as (url, redis_proc):
         port = free_port()
         args = ["kvstore", "--port", str(port), "--redis", url, "--tokenizer", str(TOKENIZER_DIR)]
         with Server(args, port) as svc:
@@ -69,6 +70,12 @@ async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() ->
             metrics = httpx.get(svc.url + "/metrics").text
             assert "switchyard_kvstore_lookups_total" in metrics
             assert "switchyard_kvstore_events_total 2.0" in metrics
+
+            redis_proc.kill()
+            redis_proc.wait()
+            answer = httpx.post(svc.url + "/v1/lookup", json={"token_ids": TOKENS})
+            assert answer.status_code == 200
+            assert answer.json()["degraded"] and answer.json()["matches"] == []
 
 
 async def test_service_tokenizes_chat_and_prompt_alike() -> None:
@@ -122,3 +129,9 @@ async def test_an_unreachable_kvstore_service_is_degraded_not_an_error() -> None
         assert res.degraded and res.matches == []
     finally:
         await remote.stop()
+
+
+def test_the_service_api_is_openapi_documented() -> None:
+    paths = create_app(KVStore()).openapi()["paths"]
+    assert {"/v1/lookup", "/v1/events", "/v1/instances", "/v1/instances/{instance}"} <= set(paths)
+    assert "delete" in paths["/v1/instances/{instance}"]
