@@ -130,8 +130,8 @@ class RealClockEngine:
             self.abort(rid)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[TokenOutput]:
-        if self._task is None:
-            raise RuntimeError("engine is not started")
+        if self._task is None or self._task.done():
+            raise RuntimeError("engine is not running")
         seq = self.core.add_request(request)
         channel = _Channel()
         seq.sink = channel
