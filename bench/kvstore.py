@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import statistics
 import sys
@@ -166,6 +167,8 @@ def bench_tokenize() -> None:
 async def main(redis_url: str) -> None:
     print("switchyard kvstore benchmark")
     print(f"  python {sys.version.split()[0]}, block size {BLOCK}, prompt {PROMPT_TOKENS:,} tokens")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"  {os.cpu_count()} CPUs, load average {load} (p99 is sensitive to other processes)")
     await bench_lookup(MemoryIndex(BLOCK), "memory", 2000)
     ridx = RedisIndex(redis_url, BLOCK, prefix="bench:")
     await ridx._r.flushdb()
@@ -176,7 +179,7 @@ async def main(redis_url: str) -> None:
     await bench_ingest(KVStore(MemoryIndex(BLOCK, 4_000_000)), "memory", payloads, 400 * 256)
     rstore = KVStore(RedisIndex(redis_url, BLOCK, prefix="bench2:"), update_timeout_s=10)
     await rstore.start()
-    await bench_ingest(rstore, "redis ", payloads[:60], 60 * 256)
+    await bench_ingest(rstore, "redis ", payloads[:200], 200 * 256)
     await rstore.stop()
 
     bench_memory_bytes(500_000)
