@@ -23,11 +23,14 @@ class Subscribable(Protocol):
         replay_endpoint: str | None = None,
         flavor: str = "vllm",
         dp_rank: int = 0,
-    ) -> None: ...
+    ) -> None:
+        """Follow one publisher endpoint (one DP rank of an instance)."""
 
-    async def unsubscribe(self, endpoint: str) -> None: ...
+    async def unsubscribe(self, endpoint: str) -> None:
+        """Stop following a publisher endpoint."""
 
-    async def clear_instance(self, instance: str, dp_rank: int | None = None) -> None: ...
+    async def clear_instance(self, instance: str, dp_rank: int | None = None) -> None:
+        """Forget the instance's indexed blocks."""
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:
