@@ -86,38 +86,37 @@ asyncio.run(main())
     return float(out.stdout.strip())
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def http_figures(duration: float, connections: int) -> None:
+    """Wall rate, and the rate per CPU-second of the server (its cost, free of contention)."""
     load = wrk if shutil.which("wrk") else aiohttp_load
     port = free_port()
     args = ["mock", "--port", str(port), "--speed", "1000", "--max-num-seqs", "1024"]
     with Server(args, port) as srv:
+        assert srv.proc is not None
+        pid = srv.proc.pid
         url = srv.url + "/v1/completions"
         load(url, SHORT, 1.0, connections)  # warm up
-        rps = load(url, SHORT, duration, connections)
-        print(
-            json.dumps(
-                {
-                    "figure": "short_requests_per_s",
-                    "value": round(rps),
-                    "connections": connections,
-                    "generator": load.__name__,
-                }
-            )
-        )
-        sps = load(url, STREAM, duration, connections)
-        tokens = sps * STREAM["max_tokens"]
-        print(
-            json.dumps(
-                {
-                    "figure": "streamed_tokens_per_s",
-                    "value": round(tokens),
-                    "streams_per_s": round(sps, 1),
-                    "max_tokens": STREAM["max_tokens"],
-                    "connections": connections,
-                    "generator": load.__name__,
-                }
-            )
-        )
+        for name, body, per_request in (
+            ("short_requests_per_s", SHORT, 1),
+            ("streamed_tokens_per_s", STREAM, STREAM["max_tokens"]),
+        ):
+            cpu = cpu_seconds(pid)
+            rate = load(url, body, duration, connections) * per_request
+            per_cpu = rate * duration / max(cpu_seconds(pid) - cpu, 1e-9)
+            figure = {
+                "figure": name,
+                "value": round(rate),
+                "per_server_cpu_s": round(per_cpu),
+                "connections": connections,
+                "generator": load.__name__,
+            }
+            print(json.dumps(figure), flush=True)
 
 
 def virtual_figures(num_engines: int = 16, num_requests: int = 20_000, seed: int = 0) -> None:
