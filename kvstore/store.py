@@ -45,6 +45,13 @@ class LookupResult:
 
 
 class KVStore:
+    """Tokenization, block keys, one index backend and the event feeds, behind one API.
+
+    The index's block size wins over ``block_size`` (which only sizes the default memory
+    index). Lookups in approximate tokenizer mode cannot match engine events (those
+    carry real token ids); they match the router's own ``record_placement`` entries.
+    """
+
     def __init__(
         self,
         index: KVIndex | None = None,
