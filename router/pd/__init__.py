@@ -1,0 +1,1 @@
+"""Disaggregated serving: prefill/decode (vLLM and SGLang flows) and encode/prefill/decode."""
