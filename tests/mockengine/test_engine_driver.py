@@ -156,7 +156,8 @@ async def test_ranks_are_independent_and_tag_their_events() -> None:
 
 
 async def test_real_and_virtual_clock_agree_on_the_same_workload() -> None:
-    c = cfg(speed=10.0, max_num_batched_tokens=2048)
+    # Slow enough (speed 2) that a busy shared CPU's timer lag stays inside the tolerances.
+    c = cfg(speed=2.0, max_num_batched_tokens=2048)
     shared = prompt(400)
     workload = [
         (0.05 * i, EngineRequest(f"r{i}", shared[: 200 + 50 * i] + prompt(30, 10_000 * i), 15))
@@ -188,8 +189,8 @@ async def test_real_and_virtual_clock_agree_on_the_same_workload() -> None:
         assert outs[-1].num_generated == v.output_tokens == 15
         assert outs[0].num_cached_tokens == v.num_cached_tokens
         assert v.ttft is not None and v.finish_time is not None
-        assert times[0] - t == pytest.approx(v.ttft, abs=0.03)
-        assert times[-1] == pytest.approx(v.finish_time, rel=0.25, abs=0.03)
+        assert times[0] - t == pytest.approx(v.ttft, abs=0.04)
+        assert times[-1] == pytest.approx(v.finish_time, rel=0.25, abs=0.04)
     assert sum(v.num_cached_tokens for v in virtual) > 0
 
 
