@@ -36,6 +36,8 @@ JSON = b"application/json"
 SSE = b"text/event-stream"
 IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 EMBEDDING_DIM = 64
+# What ``/version`` reports: the engine release whose API shapes the mock follows.
+MOCK_VERSIONS = {"vllm": "0.10.1", "sglang": "0.5.0"}
 
 
 class ClientError(Exception):
@@ -58,6 +60,8 @@ class Parsed:
     kv_transfer_params: dict[str, Any] | None
     bootstrap: tuple[str, int, int] | None
     ec_transfer_params: dict[str, Any] | None
+    cache_salt: str | None
+    priority: int
 
 
 @dataclass(slots=True)
@@ -188,7 +192,17 @@ class EngineServer:
             ("POST", "/admin/faults"): self.set_faults,
             ("POST", "/internal/kv/pull"): self.kv_pull,
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
+            ("GET", "/version"): self.version,
         }
+        if settings.flavor == "sglang":
+            self.routes.update(
+                {
+                    ("GET", "/health_generate"): self.health,
+                    ("GET", "/get_model_info"): self.model_info,
+                    ("POST", "/flush_cache"): self.reset_prefix_cache,
+                    ("GET", "/flush_cache"): self.reset_prefix_cache,
+                }
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -207,6 +221,22 @@ class EngineServer:
 
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, b"", b"text/plain")
+
+    async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await respond(send, 200, orjson.dumps({"version": MOCK_VERSIONS[self.s.flavor]}))
+
+    async def model_info(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """SGLang's ``GET /get_model_info``."""
+        info = {
+            "model_path": self.s.model,
+            "tokenizer_path": self.s.tokenizer,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+        await respond(send, 200, orjson.dumps(info))
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         owner = "vllm" if self.s.flavor == "vllm" else "sglang"
@@ -525,6 +555,10 @@ class EngineServer:
                 )
             bootstrap = (host, port, room)
         ecp = data.get("ec_transfer_params")
+        salt = data.get("cache_salt")
+        priority = data.get("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ClientError(400, "priority must be an integer", "priority")
         return Parsed(
             prompt_ids=prompt_ids,
             max_tokens=max_tokens,
@@ -537,6 +571,8 @@ class EngineServer:
             kv_transfer_params=kvp if isinstance(kvp, dict) else None,
             bootstrap=bootstrap,
             ec_transfer_params=ecp if isinstance(ecp, dict) else None,
+            cache_salt=salt if isinstance(salt, str) and salt else None,
+            priority=priority,
         )
 
     def _pick_rank(self, scope: Scope) -> int:
@@ -564,6 +600,8 @@ class EngineServer:
             prompt_token_ids=p.prompt_ids,
             max_tokens=p.max_tokens,
             output_token_ids=self.output_ids,
+            cache_salt=p.cache_salt,
+            priority=p.priority,
         )
         plan = Plan(rank, req, "", None, 0)
         kvp = p.kv_transfer_params

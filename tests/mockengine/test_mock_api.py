@@ -315,3 +315,16 @@ def test_aborted_stream_frees_its_slot(realtime_engine: Server) -> None:
         time.sleep(0.02)
     assert metric(text, "vllm:num_requests_running") == 0
     assert metric(text, "vllm:request_success_total", finished_reason="abort") >= 1
+
+
+def test_sglang_flavour_serves_its_own_control_endpoints() -> None:
+    port = free_port()
+    with Server(["mock", "--port", str(port), "--flavor", "sglang"], port) as srv:
+        info = httpx.get(srv.url + "/get_model_info").json()
+        health = httpx.get(srv.url + "/health_generate")
+        flushed = httpx.post(srv.url + "/flush_cache")
+        version = httpx.get(srv.url + "/version").json()
+    assert info["model_path"] == "mock-model" and info["is_generation"] is True
+    assert health.status_code == 200
+    assert flushed.status_code == 200
+    assert version["version"]

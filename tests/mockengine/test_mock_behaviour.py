@@ -127,3 +127,21 @@ def test_real_clock_server_and_virtual_clock_agree_on_accounting() -> None:
     assert [u["completion_tokens"] for u in served] == [r.output_tokens for r in simulated]
     assert [cached(u) for u in served] == [r.num_cached_tokens for r in simulated]
     assert cached(served[-1]) > 0
+
+
+def test_cache_salt_isolates_prefix_cache_between_tenants() -> None:
+    prompt = block_prompt(60_000, 4)
+    with mock("--speed", "50") as srv:
+
+        def salted(salt: str) -> int:
+            r = httpx.post(
+                srv.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 1, "cache_salt": salt},
+            )
+            return cached(r.json()["usage"])
+
+        salted("tenant-a")
+        other_tenant = salted("tenant-b")
+        same_tenant = salted("tenant-a")
+    assert other_tenant == 0
+    assert same_tenant > 0
