@@ -9,7 +9,8 @@ from ``start_seq`` on, then the end marker ``[-1 as signed 8 bytes, b""]``. Endp
 are offset by the DP rank, as vLLM does.
 
 Payloads are encoded by the caller (microseconds) and handed to a background thread over
-an inproc socket, so publishing never blocks the engine loop on the network.
+an inproc socket without blocking: if that thread falls ``max_queue`` batches behind, new
+batches are dropped and counted (``dropped``) rather than stalling the engine loop.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         hwm: int = 100_000,
         bind: bool = True,
+        max_queue: int = 100_000,
     ) -> None:
         # vLLM binds wildcard/ipc endpoints and connects otherwise; the mock is always the
         # stable side, so it binds unless told not to (and can thus bind 127.0.0.1 only).
@@ -135,6 +137,7 @@ class KVEventPublisher:
         self._lock = threading.Lock()
         self._closed = False
         inbox = self._ctx.socket(zmq.PULL)
+        inbox.set_hwm(max_queue)
         inbox.bind(self._inbox_addr)
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
@@ -154,7 +157,9 @@ class KVEventPublisher:
             last = self._replay.getsockopt(zmq.LAST_ENDPOINT)
             self._replay_last = last.decode() if isinstance(last, bytes) else str(last)
         self._outbox = self._ctx.socket(zmq.PUSH)
+        self._outbox.set_hwm(max_queue)
         self._outbox.connect(self._inbox_addr)
+        self.dropped = 0  # batches refused because the publisher thread fell behind
         self._thread = threading.Thread(
             target=self._serve, args=(inbox,), daemon=True, name=f"kv-events-{dp_rank}"
         )
@@ -189,7 +194,8 @@ class KVEventPublisher:
     def close(self) -> None:
         if self._closed:
             return
-        self._send(_STOP, b"")
+        with self._lock:
+            self._outbox.send_multipart((_STOP, b""))  # blocking: the stop must get through
         self._thread.join(timeout=5)
         with self._lock:
             self._closed = True
@@ -199,7 +205,10 @@ class KVEventPublisher:
         with self._lock:
             if self._closed:
                 raise RuntimeError("publisher is closed")
-            self._outbox.send_multipart((kind, data), copy=False)
+            try:
+                self._outbox.send_multipart((kind, data), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self.dropped += 1
 
     # ------------------------------------------------------------------ thread
 
