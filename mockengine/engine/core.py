@@ -167,6 +167,29 @@ class EngineCore:
             self._flush_events(now if ts is None else ts)
         return ok
 
+    def probe_prefix(
+        self,
+        prompt_token_ids: list[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Prompt tokens a request would find in this engine's prefix cache right now (an
+        oracle for simulated routing; changes nothing)."""
+        if not self.caching or len(prompt_token_ids) < 2:
+            return 0
+        max_blocks = (len(prompt_token_ids) - 1) // self.block_size
+        tokens = prompt_token_ids[: max_blocks * self.block_size]
+        hasher, lookup = self.hasher, self.pool.lookup
+        parent: bytes | None = None
+        bs = self.block_size
+        for i in range(max_blocks):
+            parent = hasher.digest(
+                parent, tokens[i * bs : (i + 1) * bs], lora_name, cache_salt, i == 0
+            )
+            if lookup(parent) is None:
+                return i * bs
+        return max_blocks * bs
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 

@@ -73,6 +73,8 @@ class VirtualFleet:
     ) -> None:
         sinks = list(event_sinks) if event_sinks is not None else [None] * len(configs)
         self.engines = [_Engine(EngineCore(c, 0, s)) for c, s in zip(configs, sinks, strict=True)]
+        # Direct access for routers over thousands of engines (len(core.running), probes, ...).
+        self.cores = [e.core for e in self.engines]
         self.router = router
         self.on_finish = on_finish
         self.record_token_times = record_token_times
@@ -81,10 +83,6 @@ class VirtualFleet:
         self.finished: list[RequestResult] = []
         self._heap: list[tuple[float, int, int, object]] = []
         self._tie = itertools.count()
-
-    @property
-    def cores(self) -> list[EngineCore]:
-        return [e.core for e in self.engines]
 
     def stats(self, engine_index: int) -> EngineStats:
         return self.engines[engine_index].core.stats()

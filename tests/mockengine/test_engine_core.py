@@ -344,3 +344,16 @@ def test_virtual_fleet_chains_a_pd_decode_leg_at_the_prefill_finish() -> None:
     assert fleet.cores[0].pool.num_free == 255
     assert decode.ttft is not None and prefill.ttft is not None
     assert decode.ttft < prefill.ttft
+
+
+def test_probe_prefix_reports_the_hit_a_request_would_get_without_changing_anything() -> None:
+    core = EngineCore(cfg())
+    core.add_request(req("a", prompt(100), 1))
+    t = run_core(core)
+    assert core.probe_prefix(prompt(100)) == 96
+    assert core.probe_prefix(prompt(40) + prompt(60, 9)) == 32
+    assert core.probe_prefix(prompt(100), cache_salt="other") == 0
+    assert core.stats().prefix_cache_queries == 100
+    seq = core.add_request(req("b", prompt(100), 1))
+    run_core(core, t)
+    assert seq.num_cached_tokens == 96
