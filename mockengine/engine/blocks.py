@@ -20,7 +20,7 @@ class Block:
         self.block_id = block_id
         self.ref_cnt = 0
         self.digest: bytes | None = None
-        self.published = 0
+        self.published: int | bytes = 0
 
 
 class BlockPool:
@@ -100,7 +100,7 @@ class BlockPool:
             if b.ref_cnt == 0:
                 free[b.block_id] = b
 
-    def register(self, b: Block, digest: bytes, published: int) -> None:
+    def register(self, b: Block, digest: bytes, published: int | bytes) -> None:
         b.digest = digest
         b.published = published
         same = self.cached.get(digest)

@@ -51,3 +51,6 @@ class EngineConfig:
     speed: float = 1.0
     seed: int = 0
     hash_flavor: HashFlavor = "vllm"
+    # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default on): publish uint64 hashes; off
+    # publishes the raw 32-byte digests (msgpack bin). SGLang always publishes int64.
+    int_block_hashes: bool = True

@@ -96,7 +96,7 @@ class EngineCore:
         self.block_size = config.block_size
         self.caching = config.enable_prefix_caching
         self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
-        self.hasher = BlockHasher(config.hash_flavor, config.block_size)
+        self.hasher = BlockHasher(config.hash_flavor, config.block_size, config.int_block_hashes)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.held: dict[str, Seq] = {}
@@ -429,7 +429,7 @@ class EngineCore:
         pool = self.pool
         published = self.hasher.published
         parent = seq.blocks[start - 1].published if start else None
-        hashes: list[int] = []
+        hashes: list[int | bytes] = []
         for i in range(start, num_full):
             digest = seq.digests[i]
             b = seq.blocks[i]

@@ -1,8 +1,8 @@
 """Engine-neutral KV cache events, one batch per engine step.
 
 The shapes follow vLLM's ``vllm/distributed/kv_events.py`` (which SGLang copied), so the
-publisher only has to choose an encoding. Hashes are already the *published* integers
-for the engine flavour (vLLM: uint64, SGLang: signed int64).
+publisher only has to choose an encoding. Hashes are already the *published* values
+for the engine flavour (vLLM: uint64, or the 32-byte digest; SGLang: signed int64).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ MEDIUM_GPU = "GPU"
 
 @dataclass(slots=True)
 class BlockStored:
-    block_hashes: list[int]
-    parent_block_hash: int | None
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
@@ -28,7 +28,7 @@ class BlockStored:
 
 @dataclass(slots=True)
 class BlockRemoved:
-    block_hashes: list[int]
+    block_hashes: list[int | bytes]
     medium: str | None = MEDIUM_GPU
 
 

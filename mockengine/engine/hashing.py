@@ -51,11 +51,12 @@ def sglang_published(digest: bytes) -> int:
 class BlockHasher:
     """Hashes one request's full blocks, chained from the root, for one flavour."""
 
-    __slots__ = ("flavor", "block_size")
+    __slots__ = ("flavor", "block_size", "int_hashes")
 
-    def __init__(self, flavor: HashFlavor, block_size: int) -> None:
+    def __init__(self, flavor: HashFlavor, block_size: int, int_hashes: bool = True) -> None:
         self.flavor = flavor
         self.block_size = block_size
+        self.int_hashes = int_hashes
 
     def digest(
         self,
@@ -85,8 +86,10 @@ class BlockHasher:
             keys.append(cache_salt)
         return tuple(keys) if keys else None
 
-    def published(self, digest: bytes) -> int:
-        return sglang_published(digest) if self.flavor == "sglang" else vllm_published(digest)
+    def published(self, digest: bytes) -> int | bytes:
+        if self.flavor == "sglang":
+            return sglang_published(digest)
+        return vllm_published(digest) if self.int_hashes else digest
 
     def chain(
         self,

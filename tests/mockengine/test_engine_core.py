@@ -357,3 +357,15 @@ def test_probe_prefix_reports_the_hit_a_request_would_get_without_changing_anyth
     seq = core.add_request(req("b", prompt(100), 1))
     run_core(core, t)
     assert seq.num_cached_tokens == 96
+
+
+def test_vllm_can_publish_raw_digests_instead_of_uint64() -> None:
+    batches: list[KVEventBatch] = []
+    core = EngineCore(cfg(int_block_hashes=False), event_sink=batches.append)
+    core.add_request(req("g", GOLDEN["vllm_token_ids"] + [7], 1))
+    core.step(0.0)
+    [stored] = batches[0].events
+    assert isinstance(stored, BlockStored)
+    assert all(isinstance(h, bytes) and len(h) == 32 for h in stored.block_hashes)
+    low64 = [int.from_bytes(h, "big") & (2**64 - 1) for h in stored.block_hashes]  # type: ignore[arg-type]
+    assert low64 == GOLDEN["vllm_block_hashes_uint64"]

@@ -229,3 +229,10 @@ def test_batch_without_rank_is_a_two_element_array() -> None:
         2.0,
         [["AllBlocksCleared"]],
     ]
+
+
+def test_digest_hashes_go_on_the_wire_as_msgpack_bin() -> None:
+    digest = bytes(range(32))
+    payload = encode_batch(KVEventBatch(1.0, [BlockRemoved([digest])], 0))
+    assert msgpack.unpackb(payload)[1][0][1] == [digest]
+    assert b"\xc4\x20" + digest in payload  # bin 8, length 32
