@@ -176,6 +176,9 @@ class EngineServer:
         self.drop_kv_events = drop_kv_events
         self.engine_id = settings.engine_id or f"mock-{settings.host}-{port}"
         self.inflight = dict.fromkeys(engines, 0)
+        # As vLLM does at startup: a sequence must fit in one rank's KV cache.
+        kv_tokens = min(e.config.num_gpu_blocks * e.config.block_size for e in engines.values())
+        self.max_len = min(settings.max_model_len, kv_tokens)
         self.output_ids = [tokenizer.filler_token_id]
         self.created = int(time.time())
         self.routes: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {
@@ -247,7 +250,7 @@ class EngineServer:
             "owned_by": owner,
             "root": self.s.model,
             "parent": None,
-            "max_model_len": self.s.max_model_len,
+            "max_model_len": self.max_len,
             "permission": [
                 {
                     "id": f"modelperm-{os.urandom(8).hex()}",
@@ -311,7 +314,7 @@ class EngineServer:
             ids = self.tok.encode(text)
             out: dict[str, Any] = {
                 "count": len(ids),
-                "max_model_len": self.s.max_model_len,
+                "max_model_len": self.max_len,
                 "tokens": ids,
                 "token_strs": self.tok.token_strings(ids)
                 if data.get("return_token_strs")
@@ -531,10 +534,10 @@ class EngineServer:
             max_tokens = self.s.default_max_tokens
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ClientError(400, "max_tokens must be a positive integer", "max_tokens")
-        if len(prompt_ids) + max_tokens > self.s.max_model_len:
+        if len(prompt_ids) + max_tokens > self.max_len:
             raise ClientError(
                 400,
-                f"This model's maximum context length is {self.s.max_model_len} tokens. "
+                f"This model's maximum context length is {self.max_len} tokens. "
                 f"However, you requested {len(prompt_ids) + max_tokens} tokens "
                 f"({len(prompt_ids)} in the messages, {max_tokens} in the completion).",
             )
@@ -631,7 +634,8 @@ class EngineServer:
         req.remote_prefilled_tokens = plan.remote_prefilled
         if plan.remote_prefilled:
             self.metrics.ranks[rank].remote_prefills += 1
-        if p.num_images and role != "encode":
+        if p.num_images and role != "encode" and not plan.remote_prefilled:
+            # A remotely prefilled prompt arrives as KV: its images were encoded upstream.
             covered = p.ec_transfer_params or {}
             await self._encode_delay(max(0, p.num_images - len(covered)))
         return plan, str(plan.remote_prefilled).encode()
@@ -776,6 +780,12 @@ class _Run:
     async def go(self) -> None:
         app, plan, p = self.app, self.plan, self.p
         engine = app.engines[plan.rank]
+        try:
+            agen = engine.generate(plan.request)
+        except ValueError:
+            # The client reused a request id still in flight here: keep both apart.
+            plan.request.request_id = f"{self.rid}-{os.urandom(4).hex()}"
+            agen = engine.generate(plan.request)
         rm = app.metrics.ranks[plan.rank]
         created = int(time.time())
         model = app.s.model
@@ -805,11 +815,10 @@ class _Run:
         last = self.start
         out: TokenOutput | None = None
         reason = "length"
-        agen = engine.generate(plan.request)
         try:
             async for out in agen:
                 delta = out.num_generated - generated
-                if out.num_cached_tokens:
+                if out.num_cached_tokens > 0:
                     cached = out.num_cached_tokens
                 if delta <= 0 and not out.finished:
                     continue
@@ -857,7 +866,8 @@ class _Run:
         if not plan.prefill_hold or out is None:
             return None
         held = Held(plan.rank, list(out.held_block_ids), len(self.p.prompt_ids))
-        app.held.hold(self.rid, held, plan.room)
+        engine_rid = plan.request.request_id
+        app.held.hold(engine_rid, held, plan.room)
         if plan.prefill_hold != "vllm":
             return None
         return {
@@ -867,7 +877,7 @@ class _Run:
             "remote_block_ids": held.block_ids,
             "remote_host": app.s.host,
             "remote_port": app.port,
-            "remote_request_id": self.rid,
+            "remote_request_id": engine_rid,
             "tp_size": 1,
         }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -328,3 +329,17 @@ def test_sglang_flavour_serves_its_own_control_endpoints() -> None:
     assert health.status_code == 200
     assert flushed.status_code == 200
     assert version["version"]
+
+
+def test_concurrent_requests_reusing_one_request_id_both_complete(engine: Server) -> None:
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=10) as c:
+            body = {"prompt": "dup", "max_tokens": 30}
+            headers = {"X-Request-Id": "same-id"}
+            return await asyncio.gather(
+                *(c.post(engine.url + "/v1/completions", json=body, headers=headers) for _ in "ab")
+            )
+
+    responses = asyncio.run(both())
+    assert [r.status_code for r in responses] == [200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 30 for r in responses)

@@ -145,3 +145,14 @@ def test_cache_salt_isolates_prefix_cache_between_tenants() -> None:
         same_tenant = salted("tenant-a")
     assert other_tenant == 0
     assert same_tenant > 0
+
+
+def test_prompt_larger_than_the_kv_cache_is_rejected_not_queued_forever() -> None:
+    with mock("--num-gpu-blocks", "8", "--speed", "50") as srv:
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"prompt": block_prompt(1, 9), "max_tokens": 1},
+            timeout=5,
+        )
+    assert r.status_code == 400
+    assert "maximum context length is 128 tokens" in r.json()["error"]["message"]
