@@ -6,6 +6,7 @@ import typer
 
 from balancer.cli import register as register_balancer
 from kvstore.cli import register as register_kvstore
+from loadtest.cli import register as register_loadtest
 from mockengine.cli import register as register_mock
 from router.cli import register as register_router
 
@@ -18,6 +19,7 @@ register_router(app)
 register_mock(app)
 register_balancer(app)
 register_kvstore(app)
+register_loadtest(app)
 
 
 @app.callback()

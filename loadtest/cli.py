@@ -1,0 +1,128 @@
+"""``switchyard bench compare`` and ``switchyard demo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+Opt = typer.Option
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` workload parameters; values read as JSON when they parse (numbers, lists)."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"{item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
+def wide_console() -> Any:
+    """A rich console; when output is not a terminal, wide enough for the whole table."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=180)
+
+
+def default_policies() -> str:
+    import shutil
+
+    peers = ",smg:cache_aware" if shutil.which("smg") else ""
+    return "round_robin,least_load,cache_aware,kv_aware" + peers
+
+
+def register(app: typer.Typer) -> None:
+    bench = typer.Typer(help="Load tests against mock fleets.", no_args_is_help=True)
+    app.add_typer(bench, name="bench")
+
+    @bench.command("compare")
+    def compare_command(
+        engines: Annotated[int, Opt(help="Mock engines in the fleet.")] = 4,
+        workload: Annotated[
+            str, Opt(help="multiturn, shared_prefix, random or mooncake.")
+        ] = "multiturn",
+        policies: Annotated[
+            str | None,
+            Opt(
+                help="Comma list: POLICY, smg:POLICY, or fallbacks A|B (first that starts). "
+                "Default: round_robin,least_load,cache_aware,kv_aware (+ smg:cache_aware "
+                "when smg is installed)."
+            ),
+        ] = None,
+        rate: Annotated[
+            float | None, Opt(help="Arrivals per second (generated workloads).")
+        ] = None,
+        duration: Annotated[float | None, Opt(help="Seconds of arrivals (generated).")] = None,
+        max_tokens: Annotated[int | None, Opt(help="Output tokens (generated).")] = None,
+        param: Annotated[
+            list[str] | None,
+            Opt(help="Workload parameter KEY=VALUE, repeatable (e.g. speedup=20, limit=500)."),
+        ] = None,
+        num_gpu_blocks: Annotated[int, Opt(help="KV blocks per engine (16 tokens each).")] = 2000,
+        speed: Annotated[float, Opt(help="Mock time compression.")] = 10.0,
+        seed: Annotated[int, Opt(help="Workload and engine seed.")] = 0,
+        repeats: Annotated[int, Opt(help="Runs per policy, alternating order.")] = 3,
+        slo_ttft_ms: Annotated[float, Opt(help="Goodput TTFT objective, wall ms.")] = 500.0,
+        slo_tpot_ms: Annotated[float, Opt(help="Goodput TPOT objective, wall ms.")] = 50.0,
+        fleet_processes: Annotated[int, Opt(help="Processes the fleet is spread over.")] = 1,
+        out: Annotated[Path, Opt(help="Directory for compare.json and the PNG plots.")] = Path(
+            "bench-results"
+        ),
+        progress: Annotated[bool, Opt(help="Show progress bars.")] = True,
+    ) -> None:
+        """Replay one seeded workload through each router config on the same mock fleet."""
+        from loadtest.compare import CompareConfig, compare
+        from loadtest.report import write_reports
+
+        params = parse_params(param)
+        for key, value in (("rate", rate), ("duration_s", duration), ("max_tokens", max_tokens)):
+            if value is not None:
+                params[key] = value
+        cfg = CompareConfig(
+            engines=engines,
+            workload=workload,
+            policies=[p.strip() for p in (policies or default_policies()).split(",") if p.strip()],
+            workload_params=params,
+            num_gpu_blocks=num_gpu_blocks,
+            speed=speed,
+            seed=seed,
+            repeats=repeats,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
+            fleet_processes=fleet_processes,
+            out=out,
+            progress=progress,
+        )
+        console = wide_console()
+        try:
+            outcome = compare(cfg, console)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        for path in write_reports(outcome, console):
+            console.print(f"wrote {path}")
+
+    @app.command("demo")
+    def demo_command(
+        engines: Annotated[int, Opt(help="Mock engines (4-8).")] = 6,
+        repeats: Annotated[int, Opt(help="Runs per policy.")] = 2,
+        out: Annotated[Path, Opt(help="Where the table, JSON and plots go.")] = Path(
+            "switchyard-demo"
+        ),
+        serve: Annotated[
+            bool, Opt(help="Afterwards keep the stack up (router + engines) until Ctrl-C.")
+        ] = False,
+    ) -> None:
+        """A local stack (router + mock engines) and a short routing comparison you can read."""
+        from loadtest.demo import run_demo
+
+        run_demo(engines=engines, repeats=repeats, out=out, serve=serve)

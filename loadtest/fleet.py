@@ -1,0 +1,144 @@
+"""The mock fleet a comparison runs against: started once, reset between runs, scraped.
+
+Every policy must meet the same fleet in the same state, so between runs the harness
+waits until no engine has work left and then empties every prefix cache
+(``POST /reset_prefix_cache``, refused by an engine while blocks are still in use).
+Which engine served how many requests comes from each engine's own ``/metrics``
+counters, read before and after a run, so it needs nothing from the router.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+SERVED = "vllm:e2e_request_latency_seconds_count"
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def free_port_block(n: int, rng: random.Random | None = None) -> int:
+    """First port of ``n`` consecutive free loopback ports."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Metric name → value summed over label sets (one engine's exposition)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_part, _, value = line.rpartition(" ")
+        name = name_part.split("{", 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+@dataclass
+class Engine:
+    url: str
+    kv_events: str | None
+
+
+@dataclass
+class MockFleet:
+    """``switchyard mock-fleet`` as a child process, with what it printed about itself."""
+
+    count: int
+    num_gpu_blocks: int | None = None
+    speed: float = 1.0
+    seed: int = 0
+    processes: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    engines: list[Engine] = field(default_factory=list)
+    proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> MockFleet:
+        http = free_port_block(self.count)
+        zmq = free_port_block(self.count)
+        args = [
+            sys.executable, "-m", "switchyard", "mock-fleet",
+            "--count", str(self.count), "--base-port", str(http),
+            "--kv-events-base-port", str(zmq), "--speed", str(self.speed),
+            "--seed", str(self.seed), "--processes", str(self.processes),
+            *(["--num-gpu-blocks", str(self.num_gpu_blocks)] if self.num_gpu_blocks else []),
+            *self.extra_args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            raise RuntimeError("mock fleet exited before printing its description")
+        for e in json.loads(line)["engines"]:
+            events = e.get("kv_events") or []
+            endpoint = events[0]["endpoint"] if events else None
+            self.engines.append(Engine(e["urls"][0]["url"], endpoint))
+        deadline = time.monotonic() + timeout_s
+        for engine in self.engines:
+            while httpx.get(engine.url + "/health", timeout=2.0).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{engine.url} not healthy")
+                time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    def __enter__(self) -> MockFleet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def scrape(self) -> list[dict[str, float]]:
+        with httpx.Client(timeout=5.0) as c:
+            return [parse_prometheus(c.get(e.url + "/metrics").text) for e in self.engines]
+
+    def served(self) -> list[int]:
+        """Requests each engine finished so far (its own counter)."""
+        return [int(m.get(SERVED, 0.0)) for m in self.scrape()]
+
+    def reset(self, timeout_s: float = 60.0) -> None:
+        """Wait until every engine is idle, then empty every prefix cache."""
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=5.0) as c:
+            for e in self.engines:
+                while True:
+                    metrics = parse_prometheus(c.get(e.url + "/metrics").text)
+                    idle = all(metrics.get(name, 0.0) == 0 for name in BUSY)
+                    if idle and c.post(e.url + "/reset_prefix_cache").status_code == 200:
+                        break
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{e.url} did not become idle to reset its cache")
+                    time.sleep(0.1)

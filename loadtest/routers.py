@@ -1,0 +1,136 @@
+"""Router configurations under comparison: ours by policy name, or a peer such as smg.
+
+A spec is ``policy`` (``switchyard router --policy policy``) or ``smg:policy`` (the
+smg router, only when the ``smg`` command is installed). A config that cannot start,
+for example a policy this router does not know yet, is reported as unavailable with
+the reason it gave, instead of ending the whole comparison.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from loadtest.fleet import Engine, free_port_block
+from mockengine.settings import DEFAULT_TOKENIZER
+
+# Policies that read prefixes: they get the tokenizer and each engine's KV-event endpoint.
+PREFIX_POLICIES = {"kv_aware", "cache_aware"}
+
+
+class Unavailable(RuntimeError):
+    """This router configuration could not be started; the message says why."""
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    label: str
+    kind: str  # "switchyard" or "smg"
+    policy: str
+
+    @classmethod
+    def parse(cls, text: str) -> RouterSpec:
+        kind, sep, policy = text.strip().partition(":")
+        if not sep:
+            return cls(text.strip(), "switchyard", text.strip())
+        if kind != "smg":
+            raise ValueError(f"unknown router kind {kind!r} in {text!r} (use POLICY or smg:POLICY)")
+        return cls(text.strip(), "smg", policy)
+
+    def command(self, engines: list[Engine], port: int, tokenizer: str) -> list[str]:
+        if self.kind == "smg":
+            exe = shutil.which("smg")
+            if exe is None:
+                raise Unavailable("smg is not installed")
+            return [
+                exe, "launch", "--worker-urls", *[e.url for e in engines],
+                "--policy", self.policy, "--host", "127.0.0.1", "--port", str(port),
+                "--prometheus-port", str(free_port_block(1)), "--log-level", "error",
+            ]  # fmt: skip
+        args = [sys.executable, "-m", "switchyard", "router", "--host", "127.0.0.1"]
+        args += ["--port", str(port), "--policy", self.policy, "--log-level", "warning"]
+        for e in engines:
+            args += ["--worker", e.url]
+        if self.policy in PREFIX_POLICIES:
+            args += ["--tokenizer", tokenizer]
+            for e in engines:
+                if e.kv_events:
+                    args += ["--kv-events", f"{e.url}={e.kv_events}"]
+        return args
+
+    @property
+    def ready_path(self) -> str:
+        return "/readiness" if self.kind == "smg" else "/ready"
+
+
+@dataclass
+class RunningRouter:
+    spec: RouterSpec
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: tempfile._TemporaryFileWrapper[bytes] = field(repr=False)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.log.close()
+
+    def __enter__(self) -> RunningRouter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _tail(log: tempfile._TemporaryFileWrapper[bytes], limit: int = 400) -> str:
+    log.flush()
+    log.seek(0)
+    lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
+    return " | ".join(lines[-4:])[-limit:] or "no output"
+
+
+def start_router(
+    spec: RouterSpec,
+    engines: list[Engine],
+    tokenizer: str = DEFAULT_TOKENIZER,
+    timeout_s: float = 30.0,
+) -> RunningRouter:
+    """Start one router config in front of ``engines``; ``Unavailable`` if it cannot run."""
+    port = free_port_block(1)
+    command = spec.command(engines, port, tokenizer)
+    log = tempfile.TemporaryFile()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    router = RunningRouter(spec, f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + timeout_s
+    path = spec.ready_path
+    while True:
+        if proc.poll() is not None:
+            reason = _tail(log)
+            router.stop()
+            raise Unavailable(f"exited with {proc.returncode}: {reason}")
+        try:
+            status = httpx.get(router.url + path, timeout=1.0).status_code
+            if status == 200:
+                return router
+            if status == 404:
+                path = "/health"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            reason = _tail(log)
+            router.stop()
+            raise Unavailable(f"not ready within {timeout_s:.0f}s: {reason}")
+        time.sleep(0.1)
