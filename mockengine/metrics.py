@@ -197,9 +197,18 @@ class RankMetrics:
 
 class EngineMetrics:
     def __init__(
-        self, flavor: str, model: str, ranks: Sequence[int], role: str, dp_size: int
+        self,
+        flavor: str,
+        model: str,
+        ranks: Sequence[int],
+        role: str,
+        dp_size: int,
+        block_size: int,
+        prefix_caching: bool,
     ) -> None:
         self.flavor = flavor
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
         vllm = flavor == "vllm"
         self.ranks: dict[int, RankMetrics] = {
             r: RankMetrics(
@@ -254,6 +263,14 @@ class EngineMetrics:
 
     def _render_vllm(self, stats: dict[int, EngineStats], out: list[str]) -> None:
         fam = self._family
+        out.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig")
+        out.append("# TYPE vllm:cache_config_info gauge")
+        for r, s in stats.items():
+            out.append(
+                f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto",'
+                f'enable_prefix_caching="{self.prefix_caching}",engine="{r}",'
+                f'gpu_memory_utilization="0.9",num_gpu_blocks="{s.num_gpu_blocks}"}} 1.0'
+            )
         fam(
             out,
             "vllm:num_requests_running",
@@ -322,6 +339,13 @@ class EngineMetrics:
 
     def _render_sglang(self, stats: dict[int, EngineStats], out: list[str]) -> None:
         fam = self._family
+        fam(
+            out,
+            "sglang:max_total_num_tokens",
+            "gauge",
+            "Maximum total number of tokens in the KV cache pool.",
+            {r: s.num_gpu_blocks * self.block_size for r, s in stats.items()},
+        )
         now = time.monotonic()
         throughput: dict[int, float] = {}
         for r, s in stats.items():
@@ -348,7 +372,10 @@ class EngineMetrics:
             "sglang:num_used_tokens",
             "gauge",
             "The number of used tokens.",
-            {r: round(s.kv_cache_usage * s.num_gpu_blocks) for r, s in stats.items()},
+            {
+                r: round(s.kv_cache_usage * s.num_gpu_blocks) * self.block_size
+                for r, s in stats.items()
+            },
         )
         fam(
             out,

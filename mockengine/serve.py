@@ -178,7 +178,15 @@ def build(s: MockSettings, tokenizer: ModelTokenizer | None = None) -> Deploymen
     endpoints: list[Endpoint] = []
     for i, ranks in enumerate(rank_groups(s)):
         port = s.port + i
-        metrics = EngineMetrics(s.flavor, s.model, ranks, s.role, s.dp_size)
+        metrics = EngineMetrics(
+            s.flavor,
+            s.model,
+            ranks,
+            s.role,
+            s.dp_size,
+            config.block_size,
+            config.enable_prefix_caching,
+        )
         app = EngineServer(
             s,
             {r: engines[r] for r in ranks},
