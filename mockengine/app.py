@@ -804,7 +804,7 @@ class _Run:
                     ],
                 }
             )
-            first = enc.first()
+            first = enc.first(shapes.usage(n_prompt, 0, 0) if p.continuous_usage else None)
             if first:
                 await send({"type": "http.response.body", "body": first, "more_body": True})
         faults = app.faults

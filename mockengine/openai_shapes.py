@@ -160,13 +160,21 @@ class StreamEncoder:
             self._head = b"data: " + envelope + b',"choices":[{"index":0,"text":"'
             self._mid = b'","logprobs":null,"finish_reason":'
 
-    def first(self) -> bytes:
-        """Chat streams open with the assistant role and empty content; completions do not."""
+    def first(self, use: dict[str, Any] | None = None) -> bytes:
+        """Chat streams open with the assistant role and empty content (with continuous
+        usage, zero completion tokens); completions do not."""
         if not self._chat:
             return b""
-        return (
-            self._head.replace(b'"delta":{"content":"', b'"delta":{"role":"assistant","content":"')
-            + b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+        tail = b',"usage":' + orjson.dumps(use) if use is not None else b""
+        return b"".join(
+            (
+                self._head.replace(
+                    b'"delta":{"content":"', b'"delta":{"role":"assistant","content":"'
+                ),
+                b'"},"logprobs":null,"finish_reason":null}]',
+                tail,
+                b"}\n\n",
+            )
         )
 
     def chunk(
