@@ -24,11 +24,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_gpu_blocks: int) -> None:
         if num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is the null block)")
         self.num_gpu_blocks = num_gpu_blocks
-        self.enable_caching = enable_caching
         # Eviction order: the front is evicted first; freeing appends at the back. Blocks
         # never used yet sit ahead of all of them (vLLM's initial queue is in id order), so
         # they are created lazily: a simulated fleet of thousands of engines stays small.

@@ -49,6 +49,7 @@ class EngineConfig:
     held_kv_timeout_s: float = 30.0
     # Time compression: wall time = model time / speed.
     speed: float = 1.0
+    # For the server's randomised behaviour (faults); the engine model is deterministic.
     seed: int = 0
     hash_flavor: HashFlavor = "vllm"
     # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default on): publish uint64 hashes; off

@@ -95,7 +95,7 @@ class EngineCore:
         self.event_sink = event_sink
         self.block_size = config.block_size
         self.caching = config.enable_prefix_caching
-        self.pool = BlockPool(config.num_gpu_blocks, config.enable_prefix_caching)
+        self.pool = BlockPool(config.num_gpu_blocks)
         self.hasher = BlockHasher(config.hash_flavor, config.block_size, config.int_block_hashes)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -288,8 +288,12 @@ class EngineCore:
                 pulled = -(-seq.remote_tokens // bs) - len(hit)
                 transfer = max(0, pulled) * self.config.kv_transfer_us_per_block * 1e-6
                 seq.remote_ready_at = max(now + transfer, 1e-12)
-                skipped.append(waiting.popleft())
-                continue
+                if transfer > 0:
+                    skipped.append(waiting.popleft())
+                    continue
+                # Every pulled block was already local: nothing lands later, so no timer
+                # would wake an idle driver for it; schedule it in this step.
+                hit = []
             start = seq.num_computed if seq.blocks else num_hit
             num_new = len(seq.tokens) - start
             if num_new > budget:
