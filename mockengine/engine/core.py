@@ -42,6 +42,7 @@ class Seq:
         "finish_reason",
         "remote_tokens",
         "remote_ready_at",
+        "pulled",
         "held_until",
         "first_token_done",
         "output_ids",
@@ -63,7 +64,8 @@ class Seq:
         self.state = WAITING
         self.finish_reason: FinishReason | None = None
         self.remote_tokens = min(req.remote_prefilled_tokens, self.prompt_len - 1)
-        self.remote_ready_at = 0.0
+        self.remote_ready_at = 0.0  # when the pulled remote KV has landed (model time)
+        self.pulled = False
         self.held_until = 0.0
         self.first_token_done = False
         self.output_ids = req.output_token_ids or [0]
@@ -201,7 +203,8 @@ class EngineCore:
         return min(times) if times else None
 
     def ready(self, now: float) -> bool:
-        """Whether a step at ``now`` would schedule anything."""
+        """Whether a step at ``now`` has anything to try (running, or waiting and not in a
+        KV transfer)."""
         if self.running:
             return True
         return any(s.remote_ready_at <= now for s in self.waiting)
@@ -271,7 +274,7 @@ class EngineCore:
             if not seq.blocks:
                 hit = self._lookup(seq)
             num_hit = len(hit) * bs
-            if seq.remote_tokens and seq.remote_ready_at == 0.0:
+            if seq.remote_tokens and not seq.pulled:
                 # P/D decode side: allocate the remote prompt's blocks, pull them (async, ∝
                 # blocks not already local), then wait like vLLM's WAITING_FOR_REMOTE_KVS.
                 total = max(num_hit, seq.remote_tokens)
@@ -287,7 +290,8 @@ class EngineCore:
                 seq.num_cached_tokens = total
                 pulled = -(-seq.remote_tokens // bs) - len(hit)
                 transfer = max(0, pulled) * self.config.kv_transfer_us_per_block * 1e-6
-                seq.remote_ready_at = max(now + transfer, 1e-12)
+                seq.remote_ready_at = now + transfer
+                seq.pulled = True
                 if transfer > 0:
                     skipped.append(waiting.popleft())
                     continue
