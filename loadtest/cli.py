@@ -26,14 +26,6 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def wide_console() -> Any:
-    """A rich console; when output is not a terminal, wide enough for the whole table."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=180)
-
-
 def default_policies() -> str:
     import shutil
 
@@ -82,7 +74,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Replay one seeded workload through each router config on the same mock fleet."""
         from loadtest.compare import CompareConfig, compare
-        from loadtest.report import write_reports
+        from loadtest.report import wide_console, write_reports
 
         params = parse_params(param)
         for key, value in (("rate", rate), ("duration_s", duration), ("max_tokens", max_tokens)):

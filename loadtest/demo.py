@@ -16,10 +16,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadtest.cli import wide_console
 from loadtest.compare import CompareConfig, compare
 from loadtest.fleet import MockFleet
-from loadtest.report import write_reports
+from loadtest.report import wide_console, write_reports
 from loadtest.routers import RouterSpec, Unavailable, start_router
 
 BEST = "kv_aware|cache_aware|least_load"

@@ -16,6 +16,12 @@ from loadtest.compare import Outcome, median_and_worst
 from loadtest.metrics import Summary
 
 
+def wide_console() -> Console:
+    """A rich console; when output is not a terminal, wide enough for the whole table."""
+    console = Console()
+    return console if console.is_terminal else Console(width=180)
+
+
 @dataclass(frozen=True)
 class Column:
     title: str
