@@ -3,6 +3,18 @@
 No framework and no per-request models: the body is parsed once with orjson, only
 the fields a real engine reads are looked at, and stream chunks are pre-encoded
 (``openai_shapes.StreamEncoder``). One app serves one or more DP ranks of engines.
+
+E/P/D follows vLLM's disaggregated-encoder proxy
+(``examples/online_serving/disaggregated_encoder/disagg_epd_proxy.py``): the proxy sends
+the chat request to the encoder with ``max_tokens=1``, ``stream=false`` and the
+``x-request-id`` header; real vLLM then moves the encoder cache, keyed by the item's
+``mm_hash``, through an EC connector. The mock encoder answers that request (or its own
+shortcut ``POST /v1/encode`` with ``{"messages"}`` or ``{"images": [url, ...]}``) with
+``ec_transfer_params = {mm_hash: {"num_encoder_tokens", "encoder_engine_id",
+"encoder_host", "encoder_port"}}`` (``mm_hash``: first 32 hex of sha256 of the image
+URL). A prefill or unified mock given ``ec_transfer_params`` skips the simulated vision
+encoder for the images whose hash it carries; every other image costs
+``encode_us_per_image`` (scaled by ``speed``). A decode leg fed remote KV encodes nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ class Parsed:
     include_usage: bool
     continuous_usage: bool
     num_images: int
+    num_encoded: int  # images whose encoder output arrives in ec_transfer_params
     kv_transfer_params: dict[str, Any] | None
     bootstrap: tuple[str, int, int] | None
     ec_transfer_params: dict[str, Any] | None
@@ -558,6 +571,9 @@ class EngineServer:
                 )
             bootstrap = (host, port, room)
         ecp = data.get("ec_transfer_params")
+        num_encoded = 0
+        if num_images and isinstance(ecp, dict):
+            num_encoded = sum(1 for ref in image_refs(data["messages"]) if mm_hash(ref) in ecp)
         salt = data.get("cache_salt")
         priority = data.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -571,6 +587,7 @@ class EngineServer:
             if isinstance(opts, dict)
             else False,
             num_images=num_images,
+            num_encoded=num_encoded,
             kv_transfer_params=kvp if isinstance(kvp, dict) else None,
             bootstrap=bootstrap,
             ec_transfer_params=ecp if isinstance(ecp, dict) else None,
@@ -636,8 +653,7 @@ class EngineServer:
             self.metrics.ranks[rank].remote_prefills += 1
         if p.num_images and role != "encode" and not plan.remote_prefilled:
             # A remotely prefilled prompt arrives as KV: its images were encoded upstream.
-            covered = p.ec_transfer_params or {}
-            await self._encode_delay(max(0, p.num_images - len(covered)))
+            await self._encode_delay(p.num_images - p.num_encoded)
         return plan, str(plan.remote_prefilled).encode()
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:

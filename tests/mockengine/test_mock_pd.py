@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mockengine.app import mm_hash
 from tests.support import Server, free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -199,16 +200,20 @@ def test_encode_role_returns_an_embedding_handle_per_image() -> None:
 def test_prefill_leg_with_an_encoder_handle_skips_the_vision_encoder() -> None:
     args = ("--speed", "1", "--encode-us-per-image", "300000")
     port = free_port()
-    with Server(["mock", "--port", str(port), *args], port) as prefill:
+
+    def chat_seconds(srv: Server, ec_params: dict[str, Any] | None) -> float:
         body: dict[str, Any] = {"messages": IMAGE_CHAT, "max_tokens": 1}
+        if ec_params is not None:
+            body["ec_transfer_params"] = ec_params
         started = time.monotonic()
-        httpx.post(prefill.url + "/v1/chat/completions", json=body)
-        local = time.monotonic() - started
-        params = {"0" * 32: {"num_encoder_tokens": 256}}
-        started = time.monotonic()
-        httpx.post(
-            prefill.url + "/v1/chat/completions", json={**body, "ec_transfer_params": params}
-        )
-        remote = time.monotonic() - started
+        assert httpx.post(srv.url + "/v1/chat/completions", json=body).status_code == 200
+        return time.monotonic() - started
+
+    with Server(["mock", "--port", str(port), *args], port) as prefill:
+        local = chat_seconds(prefill, None)
+        other_image = chat_seconds(prefill, {"0" * 32: {"num_encoder_tokens": 256}})
+        handle = mm_hash("https://example.invalid/cat.png")
+        remote = chat_seconds(prefill, {handle: {"num_encoder_tokens": 256}})
     assert local >= 0.3
+    assert other_image >= 0.3
     assert remote < local - 0.2
