@@ -231,6 +231,17 @@ class Fleet:
         counters.decode_seqs += 1
         counters.decode_tokens += ticket.prompt_tokens
 
+    def progress(self, ticket: Ticket, generated_tokens: int) -> None:
+        """Optional: output tokens so far, so decode context (what a step attends) grows.
+
+        Callers relaying a stream may report every few chunks; without it a decoding
+        request counts its prompt tokens only.
+        """
+        if ticket.done or not ticket.decoding or generated_tokens <= ticket.generated:
+            return
+        ticket.worker.ranks[ticket.rank].decode_tokens += generated_tokens - ticket.generated
+        ticket.generated = generated_tokens
+
     def end(self, ticket: Ticket, outcome: Outcome) -> None:
         if ticket.done:
             return
@@ -241,7 +252,7 @@ class Fleet:
             counters.inflight -= 1
             if ticket.decoding:
                 counters.decode_seqs -= 1
-                counters.decode_tokens -= ticket.prompt_tokens
+                counters.decode_tokens -= ticket.prompt_tokens + ticket.generated
             else:
                 counters.prefill_tokens -= ticket.prompt_tokens
         worker.inflight -= 1

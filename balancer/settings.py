@@ -64,12 +64,13 @@ class BalancerSettings(ServiceSettings):
     scrape_staleness: float = 5.0
     kv_usage_weight: float = 4.0
 
-    # DP rank choice and its step-time model (decode: per sequence and per context token;
-    # prefill: per prompt token up to the step's token budget).
+    # DP rank choice and its step-time model, in µs: per running sequence, per context
+    # token attended, per prefill token within the step's token budget. Defaults are the
+    # mock engine's BLIS-fit terms (Llama-3.1-8B on H100), so only their ratios matter.
     dp_policy: DpPolicy = "step_balanced"
-    step_seq_cost: float = 1.0
-    step_context_token_cost: float = 0.001
-    step_prefill_token_cost: float = 0.02
+    step_seq_cost: float = 6.0
+    step_context_token_cost: float = 0.04
+    step_prefill_token_cost: float = 17.25
     step_token_budget: int = 8192
 
     # Redis sharing across router replicas

@@ -343,6 +343,7 @@ class Ticket:
     prompt_tokens: int
     trial: bool = False
     decoding: bool = False
+    generated: int = 0
     done: bool = False
     id: str = ""
     started: float = field(default_factory=time.monotonic)

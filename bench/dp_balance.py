@@ -1,0 +1,228 @@
+"""DP-rank balancing under lockstep decode: which rank-choice policy keeps the slowest rank close
+to the mean?
+
+In wide expert-parallel serving every DP rank's step waits for the slowest rank, so one
+engine with N ranks is simulated here as N mock-engine cores (``mockengine.engine.core``,
+the same core the mock server runs, BLIS-fit timing) stepped in lockstep: each global
+step lasts as long as the slowest rank's step. Requests are placed by the balancer's own
+``Fleet.choose_rank`` / ``begin`` / ``first_token`` / ``end`` (the code the router runs),
+with a skewed mix of prompt and output lengths, closed loop at a fixed concurrency.
+
+Reported per policy:
+  rank load   = a rank's step work (its step time minus the fixed per-step cost);
+                max/mean over ranks per step, then the step-time-weighted mean and p95
+  step time   = the lockstep step (max over ranks), mean in ms
+  throughput  = output tokens per simulated second while the workload is being admitted
+
+Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 256] [--requests 3000] [--seed 1]
+      (as a module: ``bench/mockengine.py`` would shadow the package as a script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+from balancer import BalancerSettings, Fleet, Outcome, Ticket, WorkerSpec
+from mockengine.engine.api import EngineRequest
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.core import EngineCore, Seq
+
+POLICIES = ("round_robin", "least_requests", "minimum_tokens", "step_balanced")
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt: int
+    output: int
+
+
+def workload(n: int, seed: int) -> list[Job]:
+    """Skewed mix: mostly short chats, some long-context prompts, some long generations."""
+    rng = random.Random(seed)
+    jobs = []
+    for _ in range(n):
+        u = rng.random()
+        if u < 0.70:
+            jobs.append(Job(rng.randint(64, 512), rng.randint(16, 256)))
+        elif u < 0.90:
+            jobs.append(Job(rng.randint(2048, 8192), rng.randint(64, 512)))
+        else:
+            jobs.append(Job(rng.randint(128, 1024), rng.randint(1024, 4096)))
+    return jobs
+
+
+@dataclass
+class Result:
+    policy: str
+    ratio_mean: float
+    ratio_p95: float
+    step_ms: float
+    throughput: float
+    requests: int
+    wall: float
+
+
+def run(
+    policy: str,
+    jobs: list[Job],
+    ranks: int,
+    concurrency: int,
+    seed: int,
+    decode: bool,
+    progress: int,
+    timing: dict[str, float],
+) -> Result:
+    config = EngineConfig(enable_prefix_caching=False, seed=seed, **timing)
+    cores = [EngineCore(config, rank) for rank in range(ranks)]
+    base = config.step_base_us * 1e-6
+    fleet = Fleet(BalancerSettings(dp_policy=policy))
+    worker = fleet.add(WorkerSpec.parse(f"http://sim.invalid:8000;dp={ranks};models=m"))
+    tickets: dict[str, Ticket] = {}
+    rng = random.Random(seed)
+    queue = iter(enumerate(jobs))
+    admitting = True
+
+    def admit() -> bool:
+        nonlocal admitting
+        item = next(queue, None)
+        if item is None:
+            admitting = False
+            return False
+        i, job = item
+        rank = fleet.choose_rank(worker, prompt_tokens=job.prompt)
+        rank = 0 if rank is None else rank
+        request_id = f"r{i}"
+        tickets[request_id] = fleet.begin(worker, prompt_tokens=job.prompt, dp_rank=rank)
+        tokens = [rng.randrange(1, 30000) for _ in range(job.prompt)]
+        remote = job.prompt if decode else 0
+        request = EngineRequest(request_id, tokens, job.output, remote_prefilled_tokens=remote)
+        cores[rank].add_request(request)
+        return True
+
+    for _ in range(concurrency):
+        admit()
+
+    t = 0.0
+    admitted_until = 0.0
+    output_tokens = 0
+    ratios: list[tuple[float, float]] = []
+    started = time.perf_counter()
+    while any(core.has_work() for core in cores):
+        durations = []
+        progressed: list[Seq] = []
+        for core in cores:
+            if core.ready(t):
+                step = core.step(t)
+                durations.append(step.duration)
+                progressed.extend(step.progressed)
+            else:
+                durations.append(0.0)
+        step_time = max(durations)
+        if step_time == 0.0:
+            # Every rank waits on a KV pull: jump to the first transfer that lands.
+            t = min(w for core in cores if (w := core.next_wakeup()) is not None)
+            continue
+        work = [max(d - base, 0.0) for d in durations]
+        mean = sum(work) / len(work)
+        if admitting and mean > 0:
+            ratios.append((max(work) / mean, step_time))
+        t += step_time
+        for seq in progressed:
+            ticket = tickets[seq.request_id]
+            if seq.num_generated == 1:
+                fleet.first_token(ticket)
+            elif progress and seq.num_generated % progress == 0:
+                fleet.progress(ticket, seq.num_generated)
+            if admitting:
+                output_tokens += 1
+            if seq.finished:
+                fleet.end(tickets.pop(seq.request_id), Outcome.SUCCESS)
+                if admitting and admit():
+                    admitted_until = t
+    weights = sum(w for _, w in ratios)
+    ordered = sorted(r for r, _ in ratios)
+    return Result(
+        policy=policy,
+        ratio_mean=sum(r * w for r, w in ratios) / weights,
+        ratio_p95=ordered[int(0.95 * (len(ordered) - 1))],
+        step_ms=1000 * statistics.fmean(w for _, w in ratios),
+        throughput=output_tokens / admitted_until,
+        requests=len(jobs),
+        wall=time.perf_counter() - started,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--mode",
+        choices=("decode", "unified"),
+        default="decode",
+        help="decode: a P/D decode instance (prompts prefilled remotely, KV pulled); "
+        "unified: ranks also run chunked prefill",
+    )
+    parser.add_argument(
+        "--progress",
+        type=int,
+        default=0,
+        help="report output progress to the fleet every N tokens (0: never, as a router "
+        "that does not count stream chunks)",
+    )
+    parser.add_argument(
+        "--step-base-us",
+        type=float,
+        default=None,
+        help="override the fixed per-step cost (BLIS fit: 5753 µs, which absorbs attention)",
+    )
+    parser.add_argument("--context-token-us", type=float, default=None)
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    args = parser.parse_args()
+    timing = {
+        k: v
+        for k, v in (
+            ("step_base_us", args.step_base_us),
+            ("context_token_us", args.context_token_us),
+        )
+        if v is not None
+    }
+    jobs = workload(args.requests, args.seed)
+    print(
+        f"ranks={args.ranks} concurrency={args.concurrency} requests={args.requests} "
+        f"seed={args.seed} mode={args.mode} progress={args.progress} timing={timing or 'BLIS'} "
+        "(lockstep DP, mock engine core)"
+    )
+    header = (
+        f"{'policy':<16}{'max/mean load':>15}{'p95':>8}{'step ms':>10}"
+        f"{'tok/s':>10}{'vs rr':>8}{'wall s':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    baseline = None
+    for policy in args.policies:
+        r = run(
+            policy,
+            jobs,
+            args.ranks,
+            args.concurrency,
+            args.seed,
+            args.mode == "decode",
+            args.progress,
+            timing,
+        )
+        baseline = baseline or r.throughput
+        print(
+            f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>10.2f}"
+            f"{r.throughput:>10.0f}{r.throughput / baseline:>8.3f}{r.wall:>8.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
