@@ -209,6 +209,9 @@ class EngineServer:
             ("POST", "/internal/kv/pull"): self.kv_pull,
             ("POST", "/reset_prefix_cache"): self.reset_prefix_cache,
             ("GET", "/version"): self.version,
+            ("GET", "/ping"): self.health,
+            ("POST", "/ping"): self.health,
+            ("GET", "/load"): self.load,
         }
         if settings.flavor == "sglang":
             self.routes.update(
@@ -237,6 +240,10 @@ class EngineServer:
 
     async def health(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, b"", b"text/plain")
+
+    async def load(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``GET /load`` (``--enable-server-load-tracking``): requests in flight."""
+        await respond(send, 200, orjson.dumps({"server_load": sum(self.inflight.values())}))
 
     async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, orjson.dumps({"version": MOCK_VERSIONS[self.s.flavor]}))

@@ -343,3 +343,17 @@ def test_concurrent_requests_reusing_one_request_id_both_complete(engine: Server
     responses = asyncio.run(both())
     assert [r.status_code for r in responses] == [200, 200]
     assert all(r.json()["usage"]["completion_tokens"] == 30 for r in responses)
+
+
+def test_load_counts_requests_in_flight(realtime_engine: Server) -> None:
+    idle = httpx.get(realtime_engine.url + "/load").json()
+    with httpx.stream(
+        "POST",
+        realtime_engine.url + "/v1/completions",
+        json={"prompt": "busy", "max_tokens": 500, "stream": True},
+    ) as r:
+        lines = r.iter_lines()
+        next(lines)
+        busy = httpx.get(realtime_engine.url + "/load").json()
+    assert idle == {"server_load": 0}
+    assert busy == {"server_load": 1}
