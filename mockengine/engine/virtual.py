@@ -19,7 +19,7 @@ from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore
 from mockengine.engine.events import KVEventBatch
 
-_ARRIVAL, _STEP_DONE, _WAKE = 0, 1, 2
+_ARRIVAL, _STEP_DONE, _WAKE, _CANCEL = 0, 1, 2, 3
 
 # A router policy: (fleet, now, request) -> engine index, called at the arrival time.
 Router = Callable[["VirtualFleet", float, EngineRequest], int]
@@ -99,6 +99,11 @@ class VirtualFleet:
         """Schedule an arrival; ``engine_index=None`` asks the router at time ``t``."""
         heapq.heappush(self._heap, (t, next(self._tie), _ARRIVAL, (engine_index, request)))
 
+    def cancel(self, t: float, request_id: str) -> None:
+        """Abort a request at time ``t`` (a client timeout or disconnect), if it has
+        arrived and not finished by then."""
+        heapq.heappush(self._heap, (t, next(self._tie), _CANCEL, request_id))
+
     def run(self, until: float | None = None) -> list[RequestResult]:
         """Advance until no event is left (or ``until``); returns requests finished so far."""
         heap = self._heap
@@ -113,6 +118,8 @@ class VirtualFleet:
                 self._step_done(t, payload)  # type: ignore[arg-type]
             elif kind == _ARRIVAL:
                 self._arrive(t, *payload)  # type: ignore[misc]
+            elif kind == _CANCEL:
+                self._cancel(t, payload)  # type: ignore[arg-type]
             else:
                 eng = self.engines[payload]  # type: ignore[index]
                 if eng.wake_at == t:
@@ -133,6 +140,19 @@ class VirtualFleet:
         self.results[request.request_id] = result
         if not eng.busy:
             self._start_step(engine_index, t)
+
+    def _cancel(self, t: float, request_id: str) -> None:
+        res = self.results.get(request_id)
+        if res is None or res.finish_time is not None:
+            return
+        self.engines[res.engine_index].core.abort(request_id)
+        res.finish_time = t
+        res.finish_reason = "abort"
+        self.finished.append(res)
+        if self.on_finish is not None:
+            self.on_finish(self, res)
+        if not self.engines[res.engine_index].busy:
+            self._start_step(res.engine_index, t)
 
     def _start_step(self, index: int, t: float) -> None:
         eng = self.engines[index]
@@ -156,6 +176,8 @@ class VirtualFleet:
         done: list[RequestResult] = []
         for seq in progressed:
             res: RequestResult = seq.sink
+            if res.finish_time is not None:  # cancelled while its step was running
+                continue
             if res.first_token_time is None:
                 res.first_token_time = t
                 res.num_cached_tokens = seq.num_cached_tokens

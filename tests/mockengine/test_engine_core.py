@@ -369,3 +369,15 @@ def test_vllm_can_publish_raw_digests_instead_of_uint64() -> None:
     assert all(isinstance(h, bytes) and len(h) == 32 for h in stored.block_hashes)
     low64 = [int.from_bytes(h, "big") & (2**64 - 1) for h in stored.block_hashes]  # type: ignore[arg-type]
     assert low64 == GOLDEN["vllm_block_hashes_uint64"]
+
+
+def test_virtual_cancel_aborts_a_request_and_frees_its_slot_for_the_next() -> None:
+    fleet = VirtualFleet([cfg(max_num_seqs=1)])
+    fleet.submit(0.0, 0, req("slow", prompt(50), 1000))
+    fleet.submit(0.0, 0, req("next", prompt(50, 900), 3))
+    fleet.cancel(0.1, "slow")
+    slow, nxt = fleet.run()
+    assert (slow.request_id, slow.finish_reason, slow.finish_time) == ("slow", "abort", 0.1)
+    assert 0 < slow.output_tokens < 1000
+    assert nxt.request_id == "next" and nxt.output_tokens == 3
+    assert nxt.first_token_time is not None and nxt.first_token_time > 0.1
