@@ -1,0 +1,98 @@
+"""DP-rank choice policies and per-rank in-flight accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from balancer.dp import rank_cost, step_balanced
+from balancer.worker import RankCounters
+
+
+def fleet_with(policy: str, spec: str = "http://127.0.0.1:9;dp=4;models=m") -> Fleet:
+    fleet = Fleet(BalancerSettings(dp_policy=policy))
+    fleet.add(WorkerSpec.parse(spec))
+    return fleet
+
+
+def test_single_rank_worker_gets_no_rank() -> None:
+    fleet = fleet_with("step_balanced", "http://127.0.0.1:9")
+    assert fleet.choose_rank(fleet.workers()[0], prompt_tokens=10) is None
+
+
+def test_round_robin_cycles_through_ranks() -> None:
+    fleet = fleet_with("round_robin")
+    worker = fleet.workers()[0]
+    assert [fleet.choose_rank(worker) for _ in range(8)] == [1, 2, 3, 0, 1, 2, 3, 0]
+
+
+def test_least_requests_picks_the_rank_with_fewest_inflight() -> None:
+    fleet = fleet_with("least_requests")
+    worker = fleet.workers()[0]
+    for rank in (0, 0, 1, 2, 3):
+        fleet.begin(worker, dp_rank=rank)
+    assert fleet.choose_rank(worker) == 1
+
+
+def test_minimum_tokens_picks_the_rank_holding_fewest_tokens() -> None:
+    fleet = fleet_with("minimum_tokens")
+    worker = fleet.workers()[0]
+    for rank, tokens in ((0, 100), (1, 5000), (2, 50), (2, 60), (3, 400)):
+        fleet.begin(worker, prompt_tokens=tokens, dp_rank=rank)
+    assert fleet.choose_rank(worker) == 0
+
+
+def test_step_balanced_minimises_the_largest_rank_cost_after_placement() -> None:
+    s = BalancerSettings(step_seq_cost=1.0, step_context_token_cost=0.01, step_prefill_token_cost=0)
+    ranks = [RankCounters(inflight=10, decode_seqs=10, decode_tokens=100) for _ in range(3)]
+    ranks.append(RankCounters(inflight=2, decode_seqs=2, decode_tokens=3000))
+    costs = [rank_cost(s, r) for r in ranks]
+    assert costs == pytest.approx([11.0, 11.0, 11.0, 32.0])
+    assert step_balanced(s, ranks, prompt_tokens=500) == 0
+    assert min(range(4), key=lambda i: ranks[i].inflight) == 3, "least_requests would pick 3"
+
+
+def test_step_balanced_counts_peers_shared_load() -> None:
+    s = BalancerSettings()
+    ranks = [RankCounters(), RankCounters(remote_inflight=5, remote_decode_tokens=9000)]
+    assert step_balanced(s, ranks, prompt_tokens=100) == 0
+    ranks[0].remote_decode_tokens = 20000
+    assert step_balanced(s, ranks, prompt_tokens=100) == 1
+
+
+def test_rank_counters_follow_prefill_decode_and_end() -> None:
+    fleet = fleet_with("step_balanced")
+    worker = fleet.workers()[0]
+    ticket = fleet.begin(worker, prompt_tokens=300, dp_rank=2)
+    load = worker.rank_loads()[2]
+    assert (load.inflight, load.prefill_tokens, load.decode_seqs) == (1, 300, 0)
+    fleet.first_token(ticket)
+    fleet.progress(ticket, 40)
+    load = worker.rank_loads()[2]
+    assert (load.prefill_tokens, load.decode_seqs, load.decode_tokens) == (0, 1, 340)
+    fleet.end(ticket, Outcome.SUCCESS)
+    fleet.end(ticket, Outcome.SUCCESS)
+    assert worker.rank_loads()[2] == type(load)(
+        rank=2, inflight=0, prefill_tokens=0, decode_seqs=0, decode_tokens=0
+    )
+    assert worker.inflight == 0
+
+
+def test_step_balanced_spreads_equal_requests_over_all_ranks() -> None:
+    fleet = fleet_with("step_balanced", "http://127.0.0.1:9;dp=8")
+    worker = fleet.workers()[0]
+    ranks = []
+    for _ in range(8):
+        rank = fleet.choose_rank(worker, prompt_tokens=1000)
+        fleet.begin(worker, prompt_tokens=1000, dp_rank=rank)
+        ranks.append(rank)
+    assert sorted(ranks) == list(range(8))
+
+
+def test_rank_url_uses_per_rank_urls_in_urls_mode() -> None:
+    fleet = fleet_with("least_requests", "http://h:1;ranks=http://h:1|http://h:2")
+    worker = fleet.workers()[0]
+    assert worker.dp_size == 2 and worker.spec.dp_mode == "urls"
+    assert fleet.rank_url(worker, 1) == "http://h:2"
+    header_mode = fleet_with("least_requests")
+    assert header_mode.rank_url(header_mode.workers()[0], 3) == "http://127.0.0.1:9"
