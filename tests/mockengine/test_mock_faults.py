@@ -154,3 +154,46 @@ def test_kv_gap_skips_event_sequence_numbers() -> None:
     steps = [b - a for a, b in zip(seqs, seqs[1:], strict=False)]
     assert sorted(set(steps)) == [1, 6] or steps == [6]
     assert steps.count(6) == 1
+
+
+def test_kv_drop_loses_batches_on_the_wire_that_replay_recovers() -> None:
+    port, events, replay = free_port(), free_port(), free_port()
+    args = ["mock", "--port", str(port), "--speed", "50", "--kv-events-port", str(events)]
+    with Server([*args, "--kv-events-replay-port", str(replay)], port) as srv:
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVTIMEO, 500)
+        sub.connect(f"tcp://127.0.0.1:{events}")
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, 3000)
+        dealer.connect(f"tcp://127.0.0.1:{replay}")
+        try:
+            seen: list[int] = []
+            while not seen:
+                complete(srv, prompt="warm up " * 20)
+                try:
+                    seen.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+                except zmq.Again:
+                    continue
+            set_faults(srv, kv_drop=1)
+            complete(srv, prompt="dropped batch " * 20)
+            complete(srv, prompt="delivered batch " * 20)
+            while True:
+                try:
+                    seen.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+                except zmq.Again:
+                    break
+            missing = sorted(set(range(seen[0], seen[-1] + 1)) - set(seen))
+            dealer.send_multipart([b"", missing[0].to_bytes(8, "big")])
+            replayed: list[int] = []
+            while True:
+                _, seq, _payload = dealer.recv_multipart()
+                if seq == (-1).to_bytes(8, "big", signed=True):
+                    break
+                replayed.append(int.from_bytes(seq, "big"))
+        finally:
+            sub.close(linger=0)
+            dealer.close(linger=0)
+    assert len(missing) == 1
+    assert missing[0] in replayed
