@@ -25,6 +25,8 @@ from balancer.worker import Outcome, Ticket, Worker, WorkerSpec
 
 log = logging.getLogger("switchyard.balancer.remote")
 
+Call = tuple[str, str, dict[str, Any] | None, dict[str, str] | None]
+
 
 class RemoteFleet(Fleet):
     def __init__(
@@ -37,19 +39,23 @@ class RemoteFleet(Fleet):
     ) -> None:
         super().__init__(settings or BalancerSettings())
         self.base_url = base_url.rstrip("/")
-        self.admin_key = admin_key
+        self.admin_key = admin_key or self.settings.admin_key
         self.refresh_interval = refresh_interval
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
         self._http: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task[None] | None = None
-        self._reports: dict[str, asyncio.Task[None]] = {}
+        self._reports: dict[str, asyncio.Task[None] | None] = {}
         self._pending: set[asyncio.Task[Any]] = set()
+        self._queued: list[Call] = []
 
     async def start(self) -> None:
         if self._http is not None:
             return
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        for method, path, body, params in self._queued:
+            await self._call(method, path, body, params)
+        self._queued.clear()
         await self.refresh()
         self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
 
@@ -115,6 +121,25 @@ class RemoteFleet(Fleet):
 
     # Reports to the service
 
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        params: dict[str, str] | None,
+    ) -> None:
+        if self._http is None:
+            return
+        headers = {"X-Admin-Key": self.admin_key} if self.admin_key else None
+        try:
+            async with self._http.request(
+                method, self.base_url + path, json=body, params=params, headers=headers
+            ) as resp:
+                if resp.status >= 400:
+                    log.warning("balancer %s %s -> %s", method, path, resp.status)
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.warning("balancer %s %s failed: %s", method, path, exc)
+
     def _send(
         self,
         method: str,
@@ -122,23 +147,19 @@ class RemoteFleet(Fleet):
         body: dict[str, Any] | None = None,
         params: dict[str, str] | None = None,
         after: asyncio.Task[None] | None = None,
-    ) -> asyncio.Task[None]:
-        """Report to the service in the background, after ``after`` (same ticket) is done."""
+    ) -> asyncio.Task[None] | None:
+        """Report to the service in the background, after ``after`` (same ticket) is done.
+
+        Before ``start`` (no loop, no session yet) admin calls wait in a queue.
+        """
+        if self._http is None:
+            self._queued.append((method, path, body, params))
+            return None
 
         async def send() -> None:
             if after is not None:
                 await asyncio.gather(after, return_exceptions=True)
-            if self._http is None:
-                return
-            headers = {"X-Admin-Key": self.admin_key} if self.admin_key else None
-            try:
-                async with self._http.request(
-                    method, self.base_url + path, json=body, params=params, headers=headers
-                ) as resp:
-                    if resp.status >= 400:
-                        log.warning("balancer %s %s -> %s", method, path, resp.status)
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                log.warning("balancer %s %s failed: %s", method, path, exc)
+            await self._call(method, path, body, params)
 
         task = asyncio.get_running_loop().create_task(send())
         self._pending.add(task)

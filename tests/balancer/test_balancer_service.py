@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from balancer import Outcome
+from balancer import Outcome, WorkerSpec
 from balancer.remote import RemoteFleet
 from tests.balancer.fleet_stubs import StubEngine, StubFactory
 from tests.support import Server, free_port, redis_server
@@ -233,3 +233,19 @@ async def _inflight(client: httpx.AsyncClient, svc: Server, url: str, n: int) ->
 
 async def _draining(client: httpx.AsyncClient, svc: Server, url: str) -> bool:
     return bool((await workers(client, svc))[url]["draining"])
+
+
+async def test_remote_fleet_registers_workers_added_before_start(
+    stub_engine: StubFactory,
+) -> None:
+    stub = await stub_engine()
+    async with balancer() as svc:
+        fleet = RemoteFleet(svc.url, admin_key=KEY, refresh_interval=0.1)
+        fleet.add(WorkerSpec.parse(f"{stub.url};models=m"))
+        await fleet.start()
+        try:
+            assert [w.url for w in fleet.candidates("m")] == [stub.url]
+            async with httpx.AsyncClient() as client:
+                assert stub.url in await workers(client, svc)
+        finally:
+            await fleet.stop()
