@@ -49,7 +49,16 @@ def minimum_tokens(ranks: Sequence[RankCounters]) -> int:
 
 def step_balanced(s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tokens: int) -> int:
     """Minimise max-over-ranks step cost after placing the request; ties go to the cheaper rank."""
-    costs = [rank_cost(s, r) for r in ranks]
+    budget = s.step_token_budget
+    added = s.step_seq_cost + s.step_context_token_cost * prompt_tokens
+    costs: list[float] = []
+    afters: list[float] = []
+    for r in ranks:
+        prefill = r.prefill_tokens + r.remote_prefill_tokens
+        cost = step_cost(s, rank_requests(r), rank_tokens(r), prefill)
+        grown = min(prefill + prompt_tokens, budget) - min(prefill, budget)
+        costs.append(cost)
+        afters.append(cost + added + s.step_prefill_token_cost * grown)
     top = second = float("-inf")
     top_i = -1
     for i, c in enumerate(costs):
@@ -59,10 +68,8 @@ def step_balanced(s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tok
             second = c
     best_i = 0
     best_key = (float("inf"), float("inf"))
-    for i, r in enumerate(ranks):
-        after = rank_cost(s, r, prompt_tokens, 1)
-        others = second if i == top_i else top
-        key = (max(after, others), after)
+    for i, after in enumerate(afters):
+        key = (max(after, second if i == top_i else top), after)
         if key < best_key:
             best_key, best_i = key, i
     return best_i
