@@ -64,6 +64,7 @@ class Result:
     throughput: float
     requests: int
     wall: float
+    timeline: list[float]
 
 
 def run(
@@ -153,7 +154,22 @@ def run(
         throughput=output_tokens / admitted_until,
         requests=len(jobs),
         wall=time.perf_counter() - started,
+        timeline=windows(ratios, 10),
     )
+
+
+def windows(ratios: list[tuple[float, float]], n: int) -> list[float]:
+    """Step-time-weighted max/mean in ``n`` equal slices of simulated time."""
+    total = sum(w for _, w in ratios)
+    sums = [0.0] * n
+    weights = [0.0] * n
+    elapsed = 0.0
+    for ratio, w in ratios:
+        i = min(int(n * elapsed / total), n - 1)
+        sums[i] += ratio * w
+        weights[i] += w
+        elapsed += w
+    return [s / w if w else 0.0 for s, w in zip(sums, weights, strict=True)]
 
 
 def main() -> None:
@@ -206,6 +222,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     baseline = None
+    timelines = []
     for policy in args.policies:
         r = run(
             policy,
@@ -222,6 +239,10 @@ def main() -> None:
             f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>10.2f}"
             f"{r.throughput:>10.0f}{r.throughput / baseline:>8.3f}{r.wall:>8.1f}"
         )
+        timelines.append((r.policy, r.timeline))
+    print("\nmax/mean rank load over time (10 equal slices of the admission period)")
+    for policy, line in timelines:
+        print(f"{policy:<16}" + " ".join(f"{x:5.2f}" for x in line))
 
 
 if __name__ == "__main__":
