@@ -1,18 +1,24 @@
 """How fast the mock engine model runs: step CPU cost, real-clock streaming, virtual clock.
 
     python bench/mock_sim.py [--requests 20000] [--engines 16] [--seed 0]
+                             [--trace /work/shared/traces/mooncake_conversation_trace.jsonl]
 
 Prints, reproducibly for a seed:
 - the CPU cost of one engine step for a 256-sequence decode batch (target: well under 1 ms);
 - tokens/s the real-clock driver streams to 1,024 concurrent consumers when the model's
   own time is compressed away (the driver's overhead, no HTTP);
-- simulated requests per wall second of the virtual clock on a fleet with shared prefixes.
+- simulated requests per wall second of the virtual clock on a fleet with shared prefixes;
+- with ``--trace``, the same for the first ``--trace-requests`` requests of the Mooncake
+  conversation trace (12k-token prompts; each 512-token hash id becomes a fixed token
+  block), routed by prefix affinity and round robin, with the prefix hit rate of each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import random
 import sys
 import time
@@ -81,11 +87,47 @@ def bench_virtual(requests: int, engines: int, seed: int) -> tuple[float, float,
     return len(done) / elapsed, fleet.now, hits
 
 
+def bench_trace(
+    path: Path, requests: int, engines: int, policy: str
+) -> tuple[float, float, float, float]:
+    rows = []
+    with path.open() as f:
+        for line in itertools.islice(f, requests):
+            rows.append(json.loads(line))
+
+    def block(hash_id: int) -> range:
+        return range(hash_id * 512, hash_id * 512 + 512)  # distinct ids per hash id
+
+    rr = itertools.count()
+
+    def route(fleet: VirtualFleet, now: float, req: EngineRequest) -> int:
+        if policy == "round_robin":
+            return next(rr) % engines
+        return hash(tuple(req.prompt_token_ids[512:528])) % engines  # first non-shared block
+
+    config = EngineConfig(num_gpu_blocks=29_000, max_num_batched_tokens=8192)
+    fleet = VirtualFleet([config] * engines, route, record_token_times=False)
+    start = time.perf_counter()
+    for i, row in enumerate(rows):
+        t = row["timestamp"] / 1000.0
+        fleet.run(until=t)  # keep only arrived requests' prompts in memory
+        prompt = [tok for h in row["hash_ids"] for tok in block(h)][: row["input_length"]]
+        fleet.submit(t, None, EngineRequest(f"m{i}", prompt, max(1, row["output_length"])))
+    done = fleet.run()
+    elapsed = time.perf_counter() - start
+    hits = sum(r.num_cached_tokens for r in done) / sum(r.prompt_tokens for r in done)
+    ttfts = sorted(r.ttft for r in done if r.ttft is not None)
+    return len(done) / elapsed, hits, ttfts[len(ttfts) // 2], ttfts[int(len(ttfts) * 0.9)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--engines", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", type=Path, default=None)
+    ap.add_argument("--trace-requests", type=int, default=2000)
+    ap.add_argument("--trace-engines", type=int, default=4)
     args = ap.parse_args()
     step = bench_step()
     print(f"engine step, 256-sequence decode batch: {step * 1e6:.0f} us CPU")
@@ -97,6 +139,17 @@ def main() -> None:
         f"{rps:,.0f} simulated requests per wall second "
         f"({span:,.1f} s simulated, prefix hit rate {hits:.2f})"
     )
+    if args.trace is not None:
+        for policy in ("prefix_affinity", "round_robin"):
+            rps, hits, p50, p90 = bench_trace(
+                args.trace, args.trace_requests, args.trace_engines, policy
+            )
+            print(
+                f"virtual clock, Mooncake trace, first {args.trace_requests:,} requests, "
+                f"{args.trace_engines} engines, {policy}: {rps:,.0f} simulated requests per "
+                f"wall second, prefix hit rate {hits:.2f}, TTFT p50 {p50 * 1e3:,.0f} ms "
+                f"p90 {p90 * 1e3:,.0f} ms"
+            )
 
 
 if __name__ == "__main__":

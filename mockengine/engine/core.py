@@ -421,13 +421,7 @@ class EngineCore:
             req = seq.req
             parent = seq.digests[-1] if have else None
             seq.digests.extend(
-                self.hasher.chain(
-                    seq.tokens[: nblocks * self.block_size],
-                    have,
-                    parent,
-                    req.lora_name,
-                    req.cache_salt,
-                )
+                self.hasher.chain(seq.tokens, have, parent, req.lora_name, req.cache_salt, nblocks)
             )
 
     def _cache_blocks(self, seq: Seq, num_full: int) -> None:

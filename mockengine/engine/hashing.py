@@ -98,10 +98,12 @@ class BlockHasher:
         parent: bytes | None,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        end_block: int | None = None,
     ) -> list[bytes]:
-        """Digests of the full blocks of ``tokens`` from ``start_block`` on."""
+        """Digests of the full blocks of ``tokens`` from ``start_block`` up to ``end_block``
+        (default: the last full block)."""
         bs = self.block_size
-        end = len(tokens) // bs
+        end = len(tokens) // bs if end_block is None else min(end_block, len(tokens) // bs)
         out: list[bytes] = []
         i = start_block
         if i == 0 and i < end:

@@ -45,3 +45,9 @@ def test_sglang_chain_links_pages_through_the_parent_digest() -> None:
 
 def test_partial_trailing_block_is_not_hashed() -> None:
     assert len(BlockHasher("vllm", 16).chain(list(range(47)), 0, None)) == 2
+
+
+def test_chain_can_stop_at_an_end_block() -> None:
+    h = BlockHasher("vllm", 16)
+    tokens = list(range(160))
+    assert h.chain(tokens, 0, None, end_block=3) == h.chain(tokens, 0, None)[:3]
