@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
 
 from loadtest.workload import Workload
 from mockengine.settings import DEFAULT_TOKENIZER
@@ -84,7 +87,9 @@ def ceiling(
     tokenizer_dir: str = DEFAULT_TOKENIZER,
 ) -> Ceiling:
     tok = ModelTokenizer(tokenizer_dir)
-    prompts = [tok.tokenize_chat(r.messages) for r in workload.requests]
+    raw = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    texts = [tok.render_chat(r.messages) for r in workload.requests]
+    prompts = [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)]
     outputs = [r.max_tokens for r in workload.requests]
     hit_inf, total = hit_tokens(prompts, outputs, block_size, None)
     capacity = engines * num_gpu_blocks if num_gpu_blocks else None

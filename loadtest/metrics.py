@@ -1,6 +1,6 @@
 """The numbers a comparison is judged by, computed from replay results and engine counters.
 
-- latency percentiles (TTFT, TPOT, end to end) over successful requests, linear
+- latency percentiles (TTFT, TPOT, ITL, end to end) over successful requests, linear
   interpolation between order statistics (numpy's default);
 - throughput: successful requests and output tokens per second of makespan (first
   send to last completion);
@@ -70,6 +70,7 @@ class Summary:
     ttft_ms: dict[str, float | None]
     tpot_ms: dict[str, float | None]
     e2e_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]
     per_engine: list[int] = field(default_factory=list)
     spread: float | None = None
     error_samples: list[str] = field(default_factory=list)
@@ -108,6 +109,7 @@ def summarize(results: list[Result], slo: SLO, per_engine: list[int] | None = No
         ttft_ms=_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
         tpot_ms=_ms([t for r in ok if (t := r.tpot_s) is not None]),
         e2e_ms=_ms([r.e2e_s for r in ok if r.e2e_s is not None]),
+        itl_ms=_ms([gap for r in ok for gap in r.itl_s]),
         per_engine=engines,
         spread=spread(engines),
         error_samples=sorted({r.error for r in results if not r.ok})[:5],

@@ -120,6 +120,7 @@ def plot(outcome: Outcome, out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     policies = outcome.policies
     paths = []
@@ -131,6 +132,7 @@ def plot(outcome: Outcome, out: Path) -> list[Path]:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             ax.step(xs, ys, where="post", label=policy)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.set_xlabel("time to first token, wall ms (log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_title(f"TTFT CDF, {outcome.workload.name} (all runs pooled)")

@@ -78,10 +78,11 @@ class RunningRouter:
     log: tempfile._TemporaryFileWrapper[bytes] = field(repr=False)
 
     def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 3 s (smg drains for several seconds otherwise)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
