@@ -172,7 +172,7 @@ class RealClockEngine:
                 deadline = wall
             model_now = (deadline - t0) * speed
             if not core.ready(model_now):
-                await self._idle(loop, t0)
+                await self._idle(loop, t0, model_now)
                 deadline = loop.time()
                 continue
             try:
@@ -183,7 +183,7 @@ class RealClockEngine:
                 raise
             if not result.num_scheduled:
                 # Queued work that cannot get blocks (held by P/D prefills): wait for a change.
-                await self._idle(loop, t0)
+                await self._idle(loop, t0, model_now)
                 deadline = loop.time()
                 continue
             deadline += result.duration / speed
@@ -202,12 +202,19 @@ class RealClockEngine:
                     out = TokenOutput(seq.num_generated, False, None, seq.num_cached_tokens)
                 channel.push(out)  # type: ignore[attr-defined]
 
-    async def _idle(self, loop: asyncio.AbstractEventLoop, t0: float) -> None:
-        """Sleep until a request arrives or a transfer / hold comes due."""
+    async def _idle(
+        self, loop: asyncio.AbstractEventLoop, t0: float, stepped_at: float | None = None
+    ) -> None:
+        """Sleep until a request arrives or a transfer / hold comes due.
+
+        ``stepped_at`` is the model time of the last look at the queue (the step lags the
+        wall clock): a transfer that landed since is still due, so its timer fires at once
+        instead of being skipped and leaving the loop asleep.
+        """
         self._wake.clear()
         now = (loop.time() - t0) * self._speed
         self.core.expire_held(now)
-        due = self.core.next_wakeup(now)
+        due = self.core.next_wakeup(now if stepped_at is None else min(now, stepped_at))
         handle = loop.call_at(t0 + due / self._speed, self._wake.set) if due is not None else None
         try:
             await self._wake.wait()
