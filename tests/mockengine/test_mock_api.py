@@ -287,7 +287,7 @@ def _ttft(c: openai.OpenAI, prompt: str) -> tuple[float, int]:
 
 def test_repeated_prompt_hits_the_prefix_cache_and_starts_sooner(realtime_engine: Server) -> None:
     c = client(realtime_engine)
-    prompt = " ".join(f"w{i}" for i in range(1500))
+    prompt = " ".join(f"w{i}" for i in range(3000))
     cold, cold_cached = _ttft(c, prompt)
     warm, warm_cached = _ttft(c, prompt)
     assert cold_cached == 0
