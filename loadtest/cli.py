@@ -67,6 +67,9 @@ def register(app: typer.Typer) -> None:
         slo_ttft_ms: Annotated[float, Opt(help="Goodput TTFT objective, wall ms.")] = 500.0,
         slo_tpot_ms: Annotated[float, Opt(help="Goodput TPOT objective, wall ms.")] = 50.0,
         fleet_processes: Annotated[int, Opt(help="Processes the fleet is spread over.")] = 1,
+        mock_config: Annotated[
+            Path | None, Opt(help="YAML 'mock' section for every engine (timing, limits).")
+        ] = None,
         out: Annotated[Path, Opt(help="Directory for compare.json and the PNG plots.")] = Path(
             "bench-results"
         ),
@@ -92,6 +95,7 @@ def register(app: typer.Typer) -> None:
             slo_ttft_ms=slo_ttft_ms,
             slo_tpot_ms=slo_tpot_ms,
             fleet_processes=fleet_processes,
+            mock_config=mock_config,
             out=out,
             progress=progress,
         )

@@ -49,6 +49,8 @@ class CompareConfig:
     slo_ttft_ms: float = 500.0
     slo_tpot_ms: float = 50.0
     fleet_processes: int = 1
+    # YAML with a 'mock' section for every engine (timing model, max_num_seqs, …).
+    mock_config: Path | None = None
     request_timeout_s: float = 120.0
     settle_s: float = 0.5
     out: Path = Path("bench-results")
@@ -79,6 +81,18 @@ class Outcome:
     def policies(self) -> list[str]:
         """Configs that ran, in first-run order."""
         return list(dict.fromkeys(r.policy for r in self.runs))
+
+
+def fleet_for(cfg: CompareConfig) -> MockFleet:
+    extra = ["--config", str(cfg.mock_config)] if cfg.mock_config else []
+    return MockFleet(
+        cfg.engines,
+        cfg.num_gpu_blocks,
+        cfg.speed,
+        cfg.seed,
+        processes=cfg.fleet_processes,
+        extra_args=extra,
+    )
 
 
 def run_order(items: list[T], repeat: int) -> list[T]:
@@ -120,9 +134,7 @@ def compare(
         f"{cfg.num_gpu_blocks or 'default'} KV blocks each, speed ×{cfg.speed:g}"
     )
     own = fleet is None
-    fleet = fleet or MockFleet(
-        cfg.engines, cfg.num_gpu_blocks, cfg.speed, cfg.seed, processes=cfg.fleet_processes
-    )
+    fleet = fleet or fleet_for(cfg)
     if own:
         fleet.start()
     # Each slot holds its alternatives until one of them has started once.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadtest.compare import CompareConfig, compare
+from loadtest.compare import CompareConfig, compare, fleet_for
 from loadtest.fleet import MockFleet
 from loadtest.report import wide_console, write_reports
 from loadtest.routers import RouterSpec, Unavailable, start_router
@@ -65,7 +65,7 @@ def run_demo(
         "Same mock fleet, same seeded multi-turn chat workload, one router config at a time; "
         "the fleet's prefix caches are emptied between runs."
     )
-    with MockFleet(cfg.engines, cfg.num_gpu_blocks, cfg.speed, cfg.seed) as fleet:
+    with fleet_for(cfg) as fleet:
         outcome = compare(cfg, console, fleet)
         paths = write_reports(outcome, console)
         console.print(
