@@ -33,9 +33,10 @@ def step_cost(
     )
 
 
-def rank_cost(s: BalancerSettings, r: RankCounters, extra_tokens: int = 0, extra: int = 0) -> float:
-    prefill = r.prefill_tokens + r.remote_prefill_tokens + extra_tokens
-    return step_cost(s, rank_requests(r) + extra, rank_tokens(r) + extra_tokens, prefill)
+def rank_cost(s: BalancerSettings, r: RankCounters) -> float:
+    """Step cost of a rank now; context includes the engine-reported hidden tokens."""
+    prefill = r.prefill_tokens + r.remote_prefill_tokens
+    return step_cost(s, rank_requests(r), rank_tokens(r) + r.hidden_tokens, prefill)
 
 
 def least_requests(ranks: Sequence[RankCounters]) -> int:
@@ -55,7 +56,7 @@ def step_balanced(s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tok
     afters: list[float] = []
     for r in ranks:
         prefill = r.prefill_tokens + r.remote_prefill_tokens
-        cost = step_cost(s, rank_requests(r), rank_tokens(r), prefill)
+        cost = step_cost(s, rank_requests(r), rank_tokens(r) + r.hidden_tokens, prefill)
         grown = min(prefill + prompt_tokens, budget) - min(prefill, budget)
         costs.append(cost)
         afters.append(cost + added + s.step_prefill_token_cost * grown)

@@ -21,7 +21,7 @@ import orjson
 from balancer import dp
 from balancer.filesource import FileSource
 from balancer.health import Circuit
-from balancer.scrape import parse_metrics
+from balancer.scrape import Scrape, parse_metrics
 from balancer.settings import BalancerSettings
 from balancer.shared import RedisShare
 from balancer.worker import (
@@ -413,10 +413,20 @@ class Fleet:
             try:
                 status, body = await self._get(url + "/metrics", s.scrape_timeout)
             except (aiohttp.ClientError, TimeoutError, OSError):
-                return
+                status, body = 0, b""
             if status != 200:
+                for counters in worker.ranks:
+                    counters.hidden_tokens = 0
                 return
             samples.append(parse_metrics(body.decode("utf-8", "replace")))
+        self.apply_scrape(worker, samples)
+
+    def apply_scrape(self, worker: Worker, samples: list[Scrape]) -> None:
+        """Take in one scrape: the whole worker's, or one per rank URL in "urls" mode.
+
+        Also sets each rank's ``hidden_tokens``: KV tokens the engine holds beyond the
+        router-side count (generated tokens, other clients), which ``step_balanced`` adds.
+        """
         if not samples or samples[0].total is None:
             return
         if worker.flavor is None and samples[0].flavor is not None:
@@ -435,6 +445,12 @@ class Fleet:
                 kv_usage=sum(kvs) / len(kvs) if kvs else None,
             )
             worker.engine_ranks = {i: x.total for i, x in enumerate(samples) if x.total}
+        for i, counters in enumerate(worker.ranks):
+            sample = worker.engine_ranks.get(i)
+            if sample is None or sample.kv_tokens is None:
+                counters.hidden_tokens = 0
+            else:
+                counters.hidden_tokens = max(sample.kv_tokens - dp.rank_tokens(counters), 0)
         worker.scraped_at = time.monotonic()
         worker.sent_since_scrape = 0
 

@@ -18,6 +18,9 @@ KV_USAGE = {
     "vllm:gpu_cache_usage_perc": "vllm",
     "sglang:token_usage": "sglang",
 }
+# KV capacity in tokens: vLLM puts it in labels of an info gauge, SGLang in a gauge.
+VLLM_CACHE_INFO = "vllm:cache_config_info"
+SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
@@ -29,6 +32,14 @@ class Scrape:
     flavor: str | None = None
     total: EngineSample | None = None
     ranks: dict[int, EngineSample] = field(default_factory=dict)
+
+
+def _vllm_capacity(labels: str | None) -> float | None:
+    found = dict(_LABEL.findall(labels or ""))
+    try:
+        return float(int(found["num_gpu_blocks"]) * int(found["block_size"]))
+    except (KeyError, ValueError):
+        return None
 
 
 def _rank_of(labels: str | None) -> int | None:
@@ -61,6 +72,10 @@ def parse_metrics(text: str) -> Scrape:
             kind, flavor = "waiting", flavor or WAITING[name]
         elif name in KV_USAGE:
             kind, flavor = "kv", flavor or KV_USAGE[name]
+        elif name == SGLANG_CAPACITY:
+            kind, flavor = "capacity", flavor or "sglang"
+        elif name == VLLM_CACHE_INFO:
+            kind, flavor = "capacity", flavor or "vllm"
         else:
             if flavor is None and name.startswith(("vllm:", "sglang:")):
                 flavor = name.split(":", 1)[0]
@@ -69,6 +84,11 @@ def parse_metrics(text: str) -> Scrape:
             value = float(m.group(4))
         except ValueError:
             continue
+        if name == VLLM_CACHE_INFO:
+            capacity = _vllm_capacity(m.group(3))
+            if capacity is None:
+                continue
+            value = capacity
         rank = _rank_of(m.group(3))
         for key in ((kind, None), (kind, rank)) if rank is not None else ((kind, None),):
             sums[key] = sums.get(key, 0.0) + value
@@ -78,10 +98,13 @@ def parse_metrics(text: str) -> Scrape:
         if ("running", rank) not in sums and ("waiting", rank) not in sums:
             return None
         kv_n = counts.get(("kv", rank), 0)
+        kv = sums[("kv", rank)] / kv_n if kv_n else None
+        capacity = sums.get(("capacity", rank))
         return EngineSample(
             running=int(sums.get(("running", rank), 0.0)),
             waiting=int(sums.get(("waiting", rank), 0.0)),
-            kv_usage=sums[("kv", rank)] / kv_n if kv_n else None,
+            kv_usage=kv,
+            kv_tokens=round(kv * capacity) if kv is not None and capacity else None,
         )
 
     ranks = {r: s for r in {k[1] for k in sums if k[1] is not None} if (s := sample(r))}

@@ -181,6 +181,7 @@ class RankCounters:
     remote_prefill_tokens: int = 0
     remote_decode_seqs: int = 0
     remote_decode_tokens: int = 0
+    hidden_tokens: int = 0  # engine KV tokens beyond the router-side count, at the last scrape
 
     def local_tuple(self) -> tuple[int, int, int, int]:
         return (self.inflight, self.prefill_tokens, self.decode_seqs, self.decode_tokens)
@@ -193,6 +194,7 @@ class EngineSample:
     running: int
     waiting: int
     kv_usage: float | None
+    kv_tokens: int | None = None  # KV usage times capacity, when the engine says its capacity
 
 
 class Worker:

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 
 from balancer import BalancerSettings, Fleet, Outcome, Ticket, WorkerSpec
+from balancer.scrape import Scrape
+from balancer.worker import EngineSample
 from mockengine.engine.api import EngineRequest
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore, Seq
@@ -76,6 +78,7 @@ def run(
     decode: bool,
     progress: int,
     timing: dict[str, float],
+    scrape_ms: float,
 ) -> Result:
     config = EngineConfig(enable_prefix_caching=False, seed=seed, **timing)
     cores = [EngineCore(config, rank) for rank in range(ranks)]
@@ -108,6 +111,7 @@ def run(
         admit()
 
     t = 0.0
+    next_scrape = scrape_ms / 1000
     admitted_until = 0.0
     output_tokens = 0
     ratios: list[tuple[float, float]] = []
@@ -132,6 +136,9 @@ def run(
         if admitting and mean > 0:
             ratios.append((max(work) / mean, step_time))
         t += step_time
+        if scrape_ms and t >= next_scrape:
+            fleet.apply_scrape(worker, [scrape(cores, config)])
+            next_scrape = t + scrape_ms / 1000
         for seq in progressed:
             ticket = tickets[seq.request_id]
             if seq.num_generated == 1:
@@ -156,6 +163,22 @@ def run(
         wall=time.perf_counter() - started,
         timeline=windows(ratios, 10),
     )
+
+
+def scrape(cores: list[EngineCore], config: EngineConfig) -> Scrape:
+    """What the engine's /metrics would say now (per-rank running, waiting, KV usage)."""
+    capacity = config.num_gpu_blocks * config.block_size
+    ranks = {}
+    for i, core in enumerate(cores):
+        st = core.stats()
+        kv = st.kv_cache_usage
+        ranks[i] = EngineSample(st.num_running, st.num_waiting, kv, round(kv * capacity))
+    total = EngineSample(
+        sum(r.running for r in ranks.values()),
+        sum(r.waiting for r in ranks.values()),
+        sum(r.kv_usage or 0.0 for r in ranks.values()) / len(ranks),
+    )
+    return Scrape(flavor="vllm", total=total, ranks=ranks)
 
 
 def windows(ratios: list[tuple[float, float]], n: int) -> list[float]:
@@ -199,6 +222,12 @@ def main() -> None:
         help="override the fixed per-step cost (BLIS fit: 5753 µs, which absorbs attention)",
     )
     parser.add_argument("--context-token-us", type=float, default=None)
+    parser.add_argument(
+        "--scrape-ms",
+        type=float,
+        default=1000.0,
+        help="feed the fleet the engine's per-rank metrics every N simulated ms (0: never)",
+    )
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     args = parser.parse_args()
     timing = {
@@ -212,7 +241,8 @@ def main() -> None:
     jobs = workload(args.requests, args.seed)
     print(
         f"ranks={args.ranks} concurrency={args.concurrency} requests={args.requests} "
-        f"seed={args.seed} mode={args.mode} progress={args.progress} timing={timing or 'BLIS'} "
+        f"seed={args.seed} mode={args.mode} progress={args.progress} "
+        f"scrape_ms={args.scrape_ms:g} timing={timing or 'BLIS'} "
         "(lockstep DP, mock engine core)"
     )
     header = (
@@ -233,6 +263,7 @@ def main() -> None:
             args.mode == "decode",
             args.progress,
             timing,
+            args.scrape_ms,
         )
         baseline = baseline or r.throughput
         print(

@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from balancer import BalancerSettings, Fleet, WorkerSpec
-from balancer.scrape import parse_metrics
+from balancer.scrape import Scrape, parse_metrics
+from balancer.worker import EngineSample
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import Server, free_port
 
@@ -47,6 +48,29 @@ def test_sglang_metrics_are_recognised() -> None:
 def test_older_vllm_gpu_cache_usage_name_is_accepted() -> None:
     text = "vllm:num_requests_running 1\nvllm:gpu_cache_usage_perc 0.75\n"
     assert parse_metrics(text).total.kv_usage == 0.75
+
+
+def test_kv_capacity_turns_usage_into_tokens() -> None:
+    info = (
+        'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0\n'
+        'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="1000"} 1.0\n'
+    )
+    scrape = parse_metrics(VLLM + info)
+    assert scrape.ranks[0].kv_tokens == 8000 and scrape.ranks[1].kv_tokens == 1600
+    sglang = parse_metrics(SGLANG + 'sglang:max_total_num_tokens{tp_rank="0"} 40000\n')
+    assert sglang.total.kv_tokens == 10000
+
+
+def test_engine_kv_beyond_router_counts_steers_step_balanced() -> None:
+    """Tokens the router cannot see (generated output, other clients) come from the scrape."""
+    fleet = Fleet(BalancerSettings(dp_policy="step_balanced"))
+    worker = fleet.add(WorkerSpec("http://127.0.0.1:9", dp_size=2))
+    fleet.begin(worker, prompt_tokens=1000, dp_rank=0)
+    fleet.begin(worker, prompt_tokens=1000, dp_rank=1)
+    ranks = {0: EngineSample(1, 0, 0.5, 30000), 1: EngineSample(1, 0, 0.05, 1000)}
+    fleet.apply_scrape(worker, [Scrape("vllm", EngineSample(2, 0, 0.3), ranks)])
+    assert [r.hidden_tokens for r in worker.ranks] == [29000, 0]
+    assert fleet.choose_rank(worker, prompt_tokens=100) == 1
 
 
 def test_unrelated_metrics_give_no_sample() -> None:
@@ -94,6 +118,7 @@ async def test_mock_engine_with_dp_ranks_is_scraped_per_rank() -> None:
         assert worker.flavor == "vllm"
         assert sorted(worker.engine_ranks) == [0, 1]
         assert [r.engine_running for r in worker.rank_loads()] == [0, 0]
+        assert all(0 <= (s.kv_tokens or -1) < 100 for s in worker.engine_ranks.values())
     finally:
         await fleet.stop()
         await asyncio.to_thread(mock.stop)
