@@ -7,6 +7,9 @@ the same core the mock server runs, BLIS-fit timing) stepped in lockstep: each g
 step lasts as long as the slowest rank's step. Requests are placed by the balancer's own
 ``Fleet.choose_rank`` / ``begin`` / ``first_token`` / ``end`` (the code the router runs),
 with a skewed mix of prompt and output lengths, closed loop at a fixed concurrency.
+By default the ranks are a P/D decode instance (prompts arrive prefilled, KV pulled), the
+case DP balancing is about; the fleet gets the engine's per-rank metrics once per
+simulated second, as a scrape would, and no per-token progress from the router.
 
 Reported per policy:
   rank load   = a rank's step work (its step time minus the fixed per-step cost);
