@@ -12,7 +12,7 @@ that routing matters), three repetitions in alternating order, and checks the ta
 
 Medians over the repetitions are compared. Usage::
 
-    python bench/compare_routing.py [multiturn mooncake saturation random] [--repeats 3]
+    python -m bench.compare_routing [multiturn mooncake saturation random] [--repeats 3]
         [--out bench-results/routing]
 
 Scenarios without smg installed compare against round_robin only and skip smg targets.

@@ -37,12 +37,14 @@ def test_fleet_reset_empties_every_prefix_cache() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_bench_compare_writes_table_json_and_plots(tmp_path: Path) -> None:
+def test_bench_compare_writes_table_json_and_plots_and_reports_unavailable_configs(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "results"
     args = [
         sys.executable, "-m", "switchyard", "bench", "compare",
         "--engines", "2", "--workload", "shared_prefix",
-        "--policies", "round_robin,least_load,no_such_policy",
+        "--policies", "round_robin,no_such_policy|least_load,another_unknown",
         "--rate", "15", "--duration", "2", "--max-tokens", "4",
         "--param", "prefix_tokens=300", "--param", "groups=2",
         "--num-gpu-blocks", "400", "--speed", "20", "--repeats", "2",
@@ -53,7 +55,7 @@ def test_bench_compare_writes_table_json_and_plots(tmp_path: Path) -> None:
     table = proc.stdout
     for name in ("round_robin", "least_load", "ceiling", "hit rate", "TTFT p90 ms"):
         assert name in table
-    assert "no_such_policy" in table and "not available" in table
+    assert "another_unknown" in table and "not available" in table
 
     report = json.loads((out / "compare.json").read_text())
     requests = report["workload"]["requests"]
@@ -72,6 +74,6 @@ def test_bench_compare_writes_table_json_and_plots(tmp_path: Path) -> None:
         assert run["ttft_ms"]["p50"] > 0
     assert report["runs"][0]["per_engine"] == [15, 15]
     assert set(report["aggregate"]) == {"round_robin", "least_load"}
-    assert "no_such_policy" in report["unavailable"]
+    assert set(report["unavailable"]) == {"no_such_policy", "another_unknown"}
     for png in ("ttft_cdf.png", "hit_rate.png", "load_spread.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,40 @@
+"""What ``switchyard demo`` compares, with and without smg on the machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtest import demo
+from loadtest.compare import run_order
+from loadtest.routers import RouterSpec
+
+
+def test_demo_compares_round_robin_with_our_best_policy_without_smg(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(demo.shutil, "which", lambda _: None)
+    cfg = demo.demo_config(6, 2, Path("x"))
+    assert cfg.policies == ["round_robin", "kv_aware|cache_aware|least_load"]
+    assert cfg.workload == "multiturn" and 4 <= cfg.engines <= 8
+
+
+def test_demo_adds_smg_cache_aware_when_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo.shutil, "which", lambda _: "/usr/bin/smg")
+    assert demo.demo_config(6, 2, Path("x")).policies[-1] == "smg:cache_aware"
+
+
+def test_repetitions_alternate_the_order_of_configs() -> None:
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert run_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert run_order(["a", "b", "c"], 2) == ["a", "b", "c"]
+
+
+def test_router_specs_name_ours_or_smg() -> None:
+    assert RouterSpec.parse("kv_aware") == RouterSpec("kv_aware", "switchyard", "kv_aware")
+    assert RouterSpec.parse("smg:cache_aware") == RouterSpec(
+        "smg:cache_aware", "smg", "cache_aware"
+    )
+    with pytest.raises(ValueError, match="unknown router kind"):
+        RouterSpec.parse("nginx:round_robin")
