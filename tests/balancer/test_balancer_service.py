@@ -74,6 +74,8 @@ async def test_pick_counts_the_request_until_its_ticket_ends(stub_engine: StubFa
         assert (await workers(client, svc))[stub.url]["inflight"] == 0
         missing = await client.post(svc.url + "/v1/pick", json={"model": "nope"})
         assert missing.status_code == 503
+        retry = await client.post(svc.url + "/v1/pick", json={"model": "m", "exclude": [stub.url]})
+        assert retry.status_code == 503, "a retry can exclude the worker that failed"
 
 
 async def _has_models(client: httpx.AsyncClient, svc: Server, stub: StubEngine) -> bool:
@@ -177,7 +179,7 @@ async def test_a_crashed_balancers_counts_expire_with_its_lease(
         loop = asyncio.get_running_loop()
         killed = loop.time()
         await until(lambda: b_sees(0), timeout=5)
-        assert loop.time() - killed <= 1.0 + 0.5
+        assert loop.time() - killed <= 1.0 + 1.0, "one lease (1 s) plus sync and scheduling slack"
 
 
 async def test_admin_changes_reach_every_balancer_sharing_redis(

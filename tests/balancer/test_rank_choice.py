@@ -6,6 +6,7 @@ import pytest
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
 from balancer.dp import rank_cost, step_balanced
+from balancer.service import Tickets
 from balancer.worker import RankCounters
 
 
@@ -96,3 +97,12 @@ def test_rank_url_uses_per_rank_urls_in_urls_mode() -> None:
     assert fleet.rank_url(worker, 1) == "http://h:2"
     header_mode = fleet_with("least_requests")
     assert header_mode.rank_url(header_mode.workers()[0], 3) == "http://127.0.0.1:9"
+
+
+def test_service_tickets_nobody_ends_expire_as_aborts() -> None:
+    fleet = Fleet(BalancerSettings(ticket_ttl=0.0, cb_failure_threshold=1))
+    worker = fleet.add(WorkerSpec("http://127.0.0.1:9"))
+    tickets = Tickets(fleet)
+    tickets.add(fleet.begin(worker, prompt_tokens=5))
+    assert tickets.expire() == 1
+    assert worker.inflight == 0 and worker.circuit == "closed"
