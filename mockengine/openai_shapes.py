@@ -201,7 +201,3 @@ class StreamEncoder:
             "usage": use,
         }
         return b"data: " + orjson.dumps(body) + b"\n\n"
-
-
-def stream_error(status: int, message: str) -> bytes:
-    return b"data: " + error_body(status, message) + b"\n\n"

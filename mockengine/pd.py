@@ -91,10 +91,6 @@ class HeldKV:
             raise PullError(410, f"bootstrap room {room}: held KV already released")
         return entry.request_id, held
 
-    @property
-    def num_held(self) -> int:
-        return len(self._by_request)
-
 
 class KVPuller:
     """Decode side: the HTTP calls that stand in for the KV transfer."""
