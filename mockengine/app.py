@@ -642,7 +642,8 @@ class EngineServer:
                 await self.puller.pull_vllm(kvp, self.s.pd_wait_timeout_s)
                 plan.remote_prefilled = len(p.prompt_ids)
             except PullError:
-                self.metrics.fault("kv_pull_failed_recompute")
+                # As vLLM with kv_load_failure_policy=recompute: prefill the prompt locally.
+                self.metrics.ranks[rank].kv_pull_failures += 1
         elif p.bootstrap is not None and role == "prefill":
             req.max_tokens = 1
             req.hold_kv_after_prefill = True

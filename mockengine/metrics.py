@@ -190,6 +190,7 @@ class RankMetrics:
     e2e: Histogram
     finished: dict[str, int] = field(default_factory=lambda: {"length": 0, "abort": 0, "error": 0})
     remote_prefills: int = 0
+    kv_pull_failures: int = 0
     kv_pulls_served: int = 0
     last_gen_tokens: int = 0
     last_scrape: float = field(default_factory=time.monotonic)
@@ -446,6 +447,13 @@ class EngineMetrics:
             "counter",
             "Held prefill KV released to a decode engine's pull.",
             {r: m.kv_pulls_served for r, m in self.ranks.items()},
+        )
+        self._family(
+            out,
+            "mockengine_kv_pull_failures",
+            "counter",
+            "Remote-prefill pulls that failed (the prompt was recomputed locally).",
+            {r: m.kv_pull_failures for r, m in self.ranks.items()},
         )
         out.append("# HELP mockengine_faults_injected_total Faults injected, by kind.")
         out.append("# TYPE mockengine_faults_injected_total counter")

@@ -102,6 +102,7 @@ def test_vllm_decode_recomputes_when_the_held_kv_is_gone(vllm_pair) -> None:
     assert first.status_code == second.status_code == 200
     assert "x-mock-remote-prefill-tokens" in first.headers
     assert "x-mock-remote-prefill-tokens" not in second.headers
+    assert metric(decode, "mockengine_kv_pull_failures_total") >= 1
 
 
 def test_vllm_prefill_frees_unpulled_blocks_after_the_hold_expires() -> None:
