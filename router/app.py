@@ -16,10 +16,16 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from balancer.fleet import Fleet
+from balancer.worker import Worker
+from kvstore.remote import RemoteKVStore
+from kvstore.store import KVStore
+from router.admission import PRIORITIES, Admission, TTFTModel
 from router.control import build_control_app
 from router.errors import RouterError
 from router.forward import Forwarder
+from router.kv import KVAwareness
 from router.metrics import RouterMetrics
+from router.pd.orchestrator import build_orchestrator
 from router.relay import HOP_BY_HOP, Relay
 from router.request import DATA_ROUTES, parse
 from router.scheduler.framework import Context, Scheduler
@@ -62,11 +68,29 @@ class _Response:
 
 
 class RouterApp:
-    def __init__(self, settings: RouterSettings, fleet: Fleet, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        fleet: Fleet,
+        scheduler: Scheduler,
+        kvstore: KVStore | RemoteKVStore | None = None,
+    ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.scheduler = scheduler
         self.metrics = RouterMetrics()
+        self.kv = (
+            KVAwareness(kvstore, fleet, self.metrics, speculative_ttl_s=settings.speculative_ttl_s)
+            if kvstore is not None
+            else None
+        )
+        self.ttft_model = TTFTModel()
+        self.admission = Admission(
+            self.ttft_model,
+            self.metrics,
+            default_slo_ms=settings.slo_ttft_ms,
+            max_wait_ms=settings.admission_max_wait_ms,
+        )
         self.relay = Relay(
             connect_timeout_s=settings.connect_timeout_s,
             first_byte_timeout_s=settings.first_byte_timeout_s,
@@ -80,6 +104,17 @@ class RouterApp:
             max_attempts=settings.max_attempts,
             backoff_s=settings.retry_backoff_s,
             backoff_max_s=settings.retry_backoff_max_s,
+            kv=self.kv,
+            ttft_model=self.ttft_model,
+        )
+        self.pd = build_orchestrator(
+            settings.pd,
+            fleet,
+            self.relay,
+            self.forwarder,
+            self.metrics,
+            max_attempts=settings.max_attempts,
+            kv=self.kv,
         )
         self._api_key = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self._routes = {route: route for route in DATA_ROUTES}
@@ -87,10 +122,18 @@ class RouterApp:
 
     async def start(self) -> None:
         await self.relay.start()
+        if self.pd is not None:
+            await self.pd.start()
+        if self.kv is not None:
+            await self.kv.start()
         await self.fleet.start()
 
     async def stop(self) -> None:
         await self.fleet.stop()
+        if self.kv is not None:
+            await self.kv.stop()
+        if self.pd is not None:
+            await self.pd.stop()
         await self.relay.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,6 +173,8 @@ class RouterApp:
         started = time.perf_counter()
         request_id: bytes | None = None
         session: str | None = None
+        priority = "normal"
+        slo_header: str | None = None
         content_length: int | None = None
         auth: bytes | None = None
         forward_headers: dict[str, str] = {}
@@ -138,6 +183,10 @@ class RouterApp:
                 request_id = value
             elif key == b"x-session-id":
                 session = value.decode("latin-1")
+            elif key == b"x-priority":
+                priority = value.decode("latin-1").lower()
+            elif key == b"x-slo-ttft-ms":
+                slo_header = value.decode("latin-1")
             elif key == b"content-length":
                 content_length = int(value) if value.isdigit() else None
             elif key == b"authorization":
@@ -158,25 +207,39 @@ class RouterApp:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session)
-            candidates = self.fleet.candidates(req.model)
-            if not candidates:
-                raise self._no_candidates(req.model)
-            ctx = Context(
-                model=req.model,
-                session_key=req.session_key,
-                prompt_tokens=req.prompt_tokens_estimate,
-                request_id=request_id.decode("latin-1"),
-            )
-            ranked = self.scheduler.schedule(ctx, candidates)
-            if not ranked:
-                raise self._unavailable("No worker can take this request now")
-            m = self.metrics
-            m.child(m.decisions, self.scheduler.policy, ranked[0].id).inc()
-            assert task is not None
-            watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
-            status, worker_id = await self.forwarder.forward(
-                req, ranked, forward_headers, request_id, response, started
-            )
+            if self.pd is not None and self.pd.applies(req):
+                assert task is not None
+                watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
+                status, worker_id = await self.pd.handle(
+                    req, forward_headers, request_id, response, started
+                )
+            else:
+                candidates = self.fleet.candidates(req.model)
+                if not candidates:
+                    raise self._no_candidates(req.model)
+                if priority not in PRIORITIES:
+                    raise RouterError(400, f"x-priority must be one of {', '.join(PRIORITIES)}")
+                ctx = Context(
+                    model=req.model,
+                    session_key=req.session_key,
+                    prompt_tokens=req.prompt_tokens_estimate,
+                    request_id=request_id.decode("latin-1"),
+                    priority=priority,
+                )
+                if self.kv is not None and self.scheduler.needs_prefix:
+                    await self.kv.annotate(ctx, req, candidates)
+                ranked = self.scheduler.schedule(ctx, candidates)
+                if not ranked:
+                    raise self._unavailable("No worker can take this request now")
+                self._count_decision(ctx, ranked[0])
+                objective = self.admission.objective_s(ctx, slo_header)
+                if objective is not None:
+                    await self.admission.admit(ctx, ranked, objective)
+                assert task is not None
+                watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
+                status, worker_id = await self.forwarder.forward(
+                    req, ctx, ranked, forward_headers, request_id, response, started
+                )
         except RouterError as exc:
             status = exc.status
             await self._send_error(response, exc, request_id)
@@ -202,6 +265,22 @@ class RouterApp:
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
         m.child(m.latency, route).observe(time.perf_counter() - started)
+
+    def _count_decision(self, ctx: Context, first: Worker) -> None:
+        m = self.metrics
+        policy = self.scheduler.policy
+        m.child(m.decisions, policy, first.id).inc()
+        reason = ctx.reason or ("prefix" if ctx.matched.get(first.id, 0.0) > 0 else "load")
+        m.child(m.decision_reasons, policy, reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s -> %s (%s, matched %.0f of %d tokens)",
+                ctx.request_id,
+                first.id,
+                reason,
+                ctx.matched.get(first.id, 0.0),
+                ctx.prompt_tokens,
+            )
 
     async def _read_body(self, receive: Receive, content_length: int | None) -> bytes:
         limit = self.settings.max_body_bytes

@@ -51,12 +51,29 @@ class _FleetCollector(Collector):
             "1 if the worker takes new requests now (healthy, circuit closed, not draining).",
             labels=["worker"],
         )
+        estimating = GaugeMetricFamily(
+            "switchyard_router_kv_estimating",
+            "1 where the router estimates a worker's cache from its own placements "
+            "(approximate mode: the engine publishes no KV events).",
+            labels=["worker"],
+        )
+        kv = self.router.kv
         routable = {w.id for w in self.router.fleet.candidates(None)}
         for worker in self.router.fleet.workers():
             inflight.add_metric([worker.id], worker.inflight)
             healthy.add_metric([worker.id], 1.0 if worker.id in routable else 0.0)
+            if kv is not None:
+                estimating.add_metric([worker.id], 1.0 if kv.estimating(worker) else 0.0)
         yield inflight
         yield healthy
+        yield estimating
+        if kv is not None:
+            prompt = kv.prompt._value.get()
+            yield GaugeMetricFamily(
+                "switchyard_router_fleet_hit_rate",
+                "Cached / prompt tokens the engines reported, over answered requests.",
+                value=kv.actual._value.get() / prompt if prompt else 0.0,
+            )
 
 
 def _error(status: int, message: str, param: str | None = None) -> Response:

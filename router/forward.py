@@ -16,12 +16,16 @@ from prometheus_client import Histogram
 
 from balancer.fleet import Fleet
 from balancer.worker import Outcome, Ticket, Worker
+from router.admission import TTFTModel
 from router.errors import RouterError
+from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, Send, UpstreamTimeout, response_headers
 from router.request import RoutedRequest
+from router.scheduler.framework import Context
 
 RETRYABLE_STATUS = frozenset({502, 503})
+WORKER_HEADER = b"x-switchyard-worker"
 
 
 class Forwarder:
@@ -34,6 +38,8 @@ class Forwarder:
         max_attempts: int,
         backoff_s: float,
         backoff_max_s: float,
+        kv: KVAwareness | None = None,
+        ttft_model: TTFTModel | None = None,
     ) -> None:
         self.fleet = fleet
         self.relay = relay
@@ -41,11 +47,20 @@ class Forwarder:
         self.max_attempts = max(1, max_attempts)
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
+        self.kv = kv
+        self.ttft_model = ttft_model
         self._rng = random.Random()
+
+    def rank_for(self, ctx: Context, worker: Worker) -> int | None:
+        """The DP rank holding the prefix if any, else the balancer's choice."""
+        if worker.dp_size > 1 and ctx.matched.get(worker.id, 0.0) > 0:
+            return ctx.matched_rank[worker.id]
+        return self.fleet.choose_rank(worker, prompt_tokens=ctx.prompt_tokens)
 
     async def forward(
         self,
         req: RoutedRequest,
+        ctx: Context,
         ranked: list[Worker],
         headers: dict[str, str],
         request_id: bytes,
@@ -60,14 +75,17 @@ class Forwarder:
             worker = ranked[attempt % len(ranked)]
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
-            rank = self.fleet.choose_rank(worker, prompt_tokens=req.prompt_tokens_estimate)
+            rank = self.rank_for(ctx, worker)
             url = self.fleet.rank_url(worker, rank) if rank is not None else worker.url
             attempt_headers = headers
             if rank is not None and worker.spec.dp_mode == "header":
                 attempt_headers = {**headers, "X-data-parallel-rank": str(rank)}
-            ticket = self.fleet.begin(
-                worker, prompt_tokens=req.prompt_tokens_estimate, dp_rank=rank
+            work_tokens = (
+                self.ttft_model.work_tokens(ctx, worker) if self.ttft_model is not None else 0.0
             )
+            if self.kv is not None:
+                await self.kv.placed(ctx, worker, rank)
+            ticket = self.fleet.begin(worker, prompt_tokens=ctx.prompt_tokens, dp_rank=rank)
             outcome = Outcome.CLIENT_ABORT
             try:
                 try:
@@ -102,7 +120,9 @@ class Forwarder:
                         outcome = Outcome.SERVER_ERROR
                         break
                     try:
-                        await self._relay_response(req, resp, request_id, send, started, ticket)
+                        tail = await self._relay_response(
+                            req, resp, request_id, send, started, ticket, work_tokens
+                        )
                     except UpstreamTimeout:
                         outcome = Outcome.TIMEOUT
                         raise
@@ -110,6 +130,8 @@ class Forwarder:
                         outcome = Outcome.SERVER_ERROR
                         raise
                     outcome = Outcome.SERVER_ERROR if resp.status >= 500 else Outcome.SUCCESS
+                    if self.kv is not None and resp.status == 200:
+                        self.kv.observe_usage(ctx, worker.id, tail)
                     return resp.status, worker.id
                 finally:
                     resp.close()
@@ -134,27 +156,37 @@ class Forwarder:
         send: Send,
         started: float,
         ticket: Ticket,
-    ) -> None:
+        work_tokens: float,
+    ) -> bytes:
+        """Send the worker's answer to the client; return the bytes where usage would be."""
         out_headers = response_headers(resp, request_id)
+        out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
         ttft = self.metrics.child(self.metrics.ttft, req.route)
         content_type = resp.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
-            await self.relay.stream(resp, send, self._first_chunk(ttft, started, ticket))
+            mark = self._first_chunk(ttft, started, ticket, work_tokens)
+            tail = await self.relay.stream(resp, send, mark)
             await send({"type": "http.response.body", "body": b""})
-            return
+            return tail
         body = await self.relay.read_all(resp)
         ttft.observe(time.perf_counter() - started)
         out_headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
         await send({"type": "http.response.body", "body": body})
+        return body
 
-    def _first_chunk(self, ttft: Histogram, started: float, ticket: Ticket) -> Callable[[], None]:
+    def _first_chunk(
+        self, ttft: Histogram, started: float, ticket: Ticket, work_tokens: float
+    ) -> Callable[[], None]:
         def mark() -> None:
-            ttft.observe(time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            ttft.observe(elapsed)
             self.fleet.first_token(ticket)
+            if self.ttft_model is not None:
+                self.ttft_model.observe(ticket.worker.id, elapsed, work_tokens)
 
         return mark
 

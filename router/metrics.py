@@ -46,6 +46,12 @@ class RouterMetrics:
             ["policy", "worker"],
             registry=r,
         )
+        self.decision_reasons = Counter(
+            "switchyard_router_decision_reasons",
+            "Why the first choice won: prefix, load, guard, cache_hit, cache_miss, imbalanced.",
+            ["policy", "reason"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "switchyard_router_client_disconnects",
             "Client disconnects that aborted the upstream request.",

@@ -99,21 +99,26 @@ class Relay:
         resp: aiohttp.ClientResponse,
         send: Send,
         on_first_chunk: Callable[[], None],
-    ) -> None:
-        """Forward body chunks as they arrive; raises UpstreamTimeout if the stream goes idle."""
+    ) -> bytes:
+        """Forward body chunks as they arrive; return the last two (where usage is).
+
+        Raises UpstreamTimeout if the stream goes idle.
+        """
         loop = asyncio.get_running_loop()
         idle = self.idle_timeout_s
         content = resp.content
         first = True
+        previous = last = b""
         try:
             async with asyncio.timeout(idle) as deadline:
                 while True:
                     chunk = await content.readany()
                     if not chunk:
-                        break
+                        return previous + last
                     if first:
                         first = False
                         on_first_chunk()
+                    previous, last = last, chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     deadline.reschedule(loop.time() + idle)
         except TimeoutError:

@@ -7,20 +7,66 @@ from pathlib import Path
 import uvicorn
 
 from balancer.fleet import Fleet
+from balancer.remote import RemoteFleet
 from balancer.settings import BalancerSettings
 from balancer.worker import WorkerSpec
+from kvstore.build import store_from_settings
+from kvstore.remote import RemoteKVStore
+from kvstore.settings import KVStoreSettings
+from kvstore.store import KVStore
 from router.app import RouterApp
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
 
 
-def build_app(settings: RouterSettings, config_file: str | Path | None = None) -> RouterApp:
-    fleet = Fleet(
-        BalancerSettings.load(config_file),
-        specs=[WorkerSpec.parse(w) for w in settings.workers],
+def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
+    """Workers from flags/YAML, with the KV-event endpoints ``--kv-events`` assigns them."""
+    specs = [WorkerSpec.parse(w) for w in settings.workers] + settings.pd.worker_specs()
+    by_url = {spec.url: spec for spec in specs}
+    for item in settings.kv_events:
+        url, sep, endpoint = item.partition("=")
+        if not sep or not endpoint.startswith("tcp://"):
+            raise ValueError(f"--kv-events wants WORKER_URL=tcp://HOST:PORT, not {item!r}")
+        spec = by_url.get(WorkerSpec(url=url).url)
+        if spec is None:
+            raise ValueError(f"--kv-events names {url}, which is not a --worker")
+        spec.kv_events = endpoint
+    return specs
+
+
+def build_fleet(settings: RouterSettings, config_file: str | Path | None) -> Fleet:
+    balancer = BalancerSettings.load(config_file, redis_url=settings.redis)
+    if settings.balancer != "embedded":
+        fleet: Fleet = RemoteFleet(settings.balancer, settings=balancer)
+        for spec in worker_specs(settings):
+            fleet.add(spec)
+        return fleet
+    return Fleet(balancer, specs=worker_specs(settings))
+
+
+def build_kvstore(
+    settings: RouterSettings, config_file: str | Path | None, wanted: bool
+) -> KVStore | RemoteKVStore | None:
+    """The KV store when the policy uses prefixes or the config points at one."""
+    if settings.kvstore != "embedded":
+        return RemoteKVStore(settings.kvstore, block_size=settings.block_size)
+    if not (wanted or settings.tokenizer or settings.kv_events):
+        return None
+    kv = KVStoreSettings.load(
+        config_file,
+        redis=settings.redis,
+        tokenizer=settings.tokenizer,
+        block_size=settings.block_size,
+        speculative_ttl_s=settings.speculative_ttl_s,
     )
+    return store_from_settings(kv)
+
+
+def build_app(settings: RouterSettings, config_file: str | Path | None = None) -> RouterApp:
     scheduler = build_scheduler(settings.policy, settings.policy_options)
-    return RouterApp(settings, fleet, scheduler)
+    fleet = build_fleet(settings, config_file)
+    kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
+    return RouterApp(settings, fleet, scheduler, kvstore)
 
 
 def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from router.pd.settings import PDSettings
 from switchyard.settings import ServiceSettings
 
 
@@ -36,3 +37,21 @@ class RouterSettings(ServiceSettings):
 
     max_connections_per_worker: int = 0  # 0 = unbounded pool
     log_level: str = "warning"
+
+    # KV-aware routing: where prefix knowledge comes from.
+    tokenizer: str | None = Field(default=None, description="HF tokenizer dir for routing")
+    kv_events: list[str] = Field(
+        default_factory=list, description="WORKER_URL=tcp://HOST:PORT: who publishes KV events"
+    )
+    kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
+    balancer: str = Field(default="embedded", description="'embedded' or a balancer service URL")
+    redis: str | None = Field(default=None, description="shared state for router replicas")
+    block_size: int = 16
+    speculative_ttl_s: float = 30.0
+
+    # SLO-aware admission (Mooncake-style early rejection).
+    slo_ttft_ms: float | None = None
+    admission_max_wait_ms: float = 250.0
+
+    # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
+    pd: PDSettings = Field(default_factory=PDSettings)

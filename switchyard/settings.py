@@ -22,6 +22,9 @@ _yaml_data: ContextVar[dict[str, Any] | None] = ContextVar("_yaml_data", default
 
 S = TypeVar("S", bound="ServiceSettings")
 
+# A YAML file naming any of these is sectioned; a flat file configures one service.
+SECTIONS = frozenset({"router", "balancer", "kvstore", "mock", "loadtest", "demo"})
+
 
 class _YamlSource(PydanticBaseSettingsSource):
     """Feeds the section of the YAML file that belongs to the service being loaded."""
@@ -59,7 +62,9 @@ class ServiceSettings(BaseSettings):
             raw = yaml.safe_load(Path(config_file).read_text()) or {}
             if not isinstance(raw, dict):
                 raise ValueError(f"{config_file}: top level must be a mapping")
-            section = raw.get(cls.section, raw) if cls.section else raw
+            section: Any = raw
+            if cls.section and (cls.section in raw or set(raw) & SECTIONS):
+                section = raw.get(cls.section) or {}
             data = section if isinstance(section, dict) else {}
         given = {k: v for k, v in flags.items() if v is not None and v != [] and v != ()}
         token = _yaml_data.set(data)

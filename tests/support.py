@@ -62,9 +62,10 @@ class Server:
         )
         try:
             wait_http(self.url + self.health_path, timeout, self.proc)
-        except Exception:
+        except Exception as exc:
             self.stop()
-            raise
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+            raise RuntimeError(f"{' '.join(self.args)} failed: {exc}\n{err[-4000:]}") from None
         return self
 
     def stop(self) -> None:

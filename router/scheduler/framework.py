@@ -14,17 +14,36 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from balancer.worker import Worker
+    from kvstore.store import LookupResult
 
 
 @dataclass(slots=True)
 class Context:
-    """What a scheduling decision may look at; filled by the router before the cycle."""
+    """What a scheduling decision may look at; filled by the router before the cycle.
+
+    ``matched`` maps a worker id to the prompt tokens it already holds (best rank,
+    tier-weighted), from the KV store's lookup; empty when the policy needs none
+    or the store had no information.
+    """
 
     model: str | None
     session_key: str | None = None
     prompt_tokens: int = 0
     request_id: str = ""
-    attrs: dict[str, object] = field(default_factory=dict)
+    priority: str = "normal"
+    prefix: LookupResult | None = None
+    matched: dict[str, float] = field(default_factory=dict)
+    matched_rank: dict[str, int] = field(default_factory=dict)
+    reason: str = ""
+
+    def set_prefix(self, prefix: LookupResult) -> None:
+        self.prefix = prefix
+        self.prompt_tokens = max(prefix.total_tokens, 1)
+        for m in prefix.matches:
+            weighted = m.weighted_tokens
+            if weighted > self.matched.get(m.instance, -1.0):
+                self.matched[m.instance] = weighted
+                self.matched_rank[m.instance] = m.dp_rank
 
 
 class Filter(Protocol):
@@ -43,9 +62,17 @@ class Scorer(Protocol):
 
 class Picker(Protocol):
     name: str
+    uses_prefix: bool
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         """All workers, most preferred first."""
+
+
+class Guard(Protocol):
+    """Last word on an order: may demote the first choices (e.g. to bound load)."""
+
+    def apply(self, ctx: Context, order: list[Worker]) -> list[Worker]:
+        """The same workers, possibly reordered."""
 
 
 @dataclass(slots=True)
@@ -54,13 +81,24 @@ class Scheduler:
     picker: Picker
     filters: Sequence[Filter] = ()
     scorers: Sequence[tuple[Scorer, float]] = ()
+    guard: Guard | None = None
+
+    @property
+    def needs_prefix(self) -> bool:
+        """Whether this policy wants the KV store's prefix matches before it runs."""
+        return self.picker.uses_prefix or any(
+            getattr(scorer, "uses_prefix", False) for scorer, _ in self.scorers
+        )
 
     def schedule(self, ctx: Context, workers: list[Worker]) -> list[Worker]:
         for f in self.filters:
             workers = f.filter(ctx, workers)
             if not workers:
                 return workers
-        return self.picker.order(ctx, workers, self.combined_scores(ctx, workers))
+        order = self.picker.order(ctx, workers, self.combined_scores(ctx, workers))
+        if self.guard is not None and len(order) > 1:
+            order = self.guard.apply(ctx, order)
+        return order
 
     def combined_scores(self, ctx: Context, workers: list[Worker]) -> list[float]:
         if not self.scorers:

@@ -26,6 +26,7 @@ def _by_score(workers: list[Worker], scores: list[float], rng: random.Random) ->
 
 class RoundRobinPicker:
     name = "round_robin"
+    uses_prefix = False
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -38,6 +39,7 @@ class RoundRobinPicker:
 
 class RandomPicker:
     name = "random"
+    uses_prefix = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -48,6 +50,7 @@ class RandomPicker:
 
 class MaxScorePicker:
     name = "max_score"
+    uses_prefix = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -60,6 +63,7 @@ class PowerOfTwoPicker:
     """Sample two candidates, prefer the better: near-least-load without herding."""
 
     name = "power_of_two"
+    uses_prefix = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
@@ -83,6 +87,7 @@ class ConsistentHashPicker:
     """
 
     name = "consistent_hash"
+    uses_prefix = False
 
     def __init__(
         self, load_factor: float = 1.25, vnodes: int = 64, seed: int | None = None
@@ -129,3 +134,70 @@ class ConsistentHashPicker:
         capacity = math.ceil(self.load_factor * (total + 1) / len(workers))
         fits = [w for w in walk if w.inflight < capacity]
         return fits + [w for w in walk if w.inflight >= capacity]
+
+
+class SoftmaxPicker:
+    """Sample by softmax(score / temperature): spreads near-ties, follows clear winners.
+
+    Temperature 0 is max score. Sampled without replacement, so the whole order is
+    a preference list for failover.
+    """
+
+    name = "softmax"
+    uses_prefix = False
+
+    def __init__(self, temperature: float = 0.1, seed: int | None = None) -> None:
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        if self.temperature <= 0 or len(workers) == 1:
+            return _by_score(workers, scores, self._rng)
+        top = max(scores)
+        weights = [math.exp((s - top) / self.temperature) for s in scores]
+        keyed = sorted(
+            ((self._rng.random() ** (1.0 / w) if w > 0 else 0.0), i) for i, w in enumerate(weights)
+        )
+        return [workers[i] for _, i in reversed(keyed)]
+
+
+class CacheAwarePicker:
+    """SGLang's cache-aware policy, on the KV store's matches instead of a router-side tree.
+
+    When the fleet is imbalanced (max - min load > ``balance_abs_threshold`` and
+    max > ``balance_rel_threshold`` x min) it takes the least-loaded worker. Otherwise
+    the worker with the longest prefix match wins if the match covers more than
+    ``cache_threshold`` of the prompt; below that, the least-loaded worker (SGLang
+    picks the worker with the smallest tree, i.e. the most free cache; load is the
+    signal we have for every engine).
+    """
+
+    name = "cache_aware"
+    uses_prefix = True
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        seed: int | None = None,
+    ) -> None:
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self._rng = random.Random(seed)
+
+    def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
+        loads = [w.inflight for w in workers]
+        by_load = _by_score(workers, [-float(x) for x in loads], self._rng)
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
+            ctx.reason = "imbalanced"
+            return by_load
+        total = max(ctx.prompt_tokens, 1)
+        best = max(workers, key=lambda w: (ctx.matched.get(w.id, 0.0), -w.inflight))
+        if ctx.matched.get(best.id, 0.0) / total > self.cache_threshold:
+            ctx.reason = "cache_hit"
+            return [best, *(w for w in by_load if w is not best)]
+        ctx.reason = "cache_miss"
+        return by_load

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
@@ -14,8 +16,92 @@ class InflightScorer:
     """Fewer router-side in-flight requests is better (exact and instant)."""
 
     name = "load"
+    uses_prefix = False
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         loads = [w.inflight for w in workers]
         top = max(loads) + 1
         return [1.0 - load / top for load in loads]
+
+
+class PrefixCacheScorer:
+    """Share of the prompt the worker already holds in its KV cache (from the KV store)."""
+
+    name = "prefix_cache"
+    uses_prefix = True
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        total = max(ctx.prompt_tokens, 1)
+        return [min(ctx.matched.get(w.id, 0.0) / total, 1.0) for w in workers]
+
+
+class KVAwareScorer:
+    """Predicted work to serve the request here, in KV blocks (after Dynamo's KV router).
+
+    cost = prefill_weight x (uncached prompt blocks + queued prefill blocks)
+           + active decode blocks
+    A worker that already holds the prefix skips that prefill; one busy decoding long
+    contexts pays for every step it shares. Scores are min-cost relative: the cheapest
+    worker gets 1.0, a worker twice as expensive about 0.5.
+    """
+
+    name = "kv_aware"
+    uses_prefix = True
+
+    def __init__(self, prefill_weight: float = 1.0, block_size: int = 16) -> None:
+        self.prefill_weight = prefill_weight
+        self.block_size = block_size
+
+    def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
+        out = []
+        for w in workers:
+            load = w.load()
+            uncached = max(ctx.prompt_tokens - ctx.matched.get(w.id, 0.0), 0.0)
+            prefill = (uncached + load.prefill_tokens) / bs
+            decode = (load.decode_tokens + load.decode_seqs) / bs
+            out.append(self.prefill_weight * prefill + decode)
+        return out
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        costs = self.costs(ctx, workers)
+        best = min(costs)
+        return [(best + 1.0) / (c + 1.0) for c in costs]
+
+
+class KVPressureScorer:
+    """Free KV cache on the engine (scraped), so new prefixes land where they fit."""
+
+    name = "kv_pressure"
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        out = []
+        for w in workers:
+            usage = w.load().kv_usage
+            out.append(1.0 - min(max(usage, 0.0), 1.0) if usage is not None else 0.5)
+        return out
+
+
+class QueueScorer:
+    """Fewer requests waiting in the engine's queue (scraped) is better."""
+
+    name = "queue"
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        waiting = [w.load().engine_waiting or 0 for w in workers]
+        top = max(waiting) + 1
+        return [1.0 - q / top for q in waiting]
+
+
+class SessionAffinityScorer:
+    """1.0 for the session's home worker by rendezvous hashing, 0 elsewhere."""
+
+    name = "session_affinity"
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        if ctx.session_key is None:
+            return [0.0] * len(workers)
+        key = ctx.session_key.encode()
+        weights = [xxhash.xxh3_64_intdigest(key + w.id.encode()) for w in workers]
+        home = weights.index(max(weights))
+        return [1.0 if i == home else 0.0 for i in range(len(workers))]

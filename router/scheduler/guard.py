@@ -1,0 +1,37 @@
+"""The hot-spot guard: bounded load on top of any policy.
+
+Cache affinity left alone concentrates traffic: one engine holds the hot prefix,
+every request goes there, its queue grows, its cache churns (the cache-aware
+"death spiral" the peers' users report). The guard demotes any worker that would
+go above (1 + epsilon) x the mean in-flight load (plus a small absolute slack so
+light traffic keeps its affinity) while some candidate stays within the bound.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from router.scheduler.framework import Context
+
+if TYPE_CHECKING:
+    from balancer.worker import Worker
+
+
+class BoundedLoadGuard:
+    def __init__(self, epsilon: float = 0.25, slack: float = 2.0) -> None:
+        if epsilon < 0 or slack < 0:
+            raise ValueError("guard epsilon and slack must be >= 0")
+        self.epsilon = epsilon
+        self.slack = slack
+
+    def capacity(self, workers: list[Worker]) -> float:
+        mean_after = (sum(w.inflight for w in workers) + 1) / len(workers)
+        return (1.0 + self.epsilon) * mean_after + self.slack
+
+    def apply(self, ctx: Context, order: list[Worker]) -> list[Worker]:
+        cap = self.capacity(order)
+        fits = [w for w in order if w.inflight + 1 <= cap]
+        if not fits or fits[0] is order[0]:
+            return order
+        ctx.reason = "guard"
+        return fits + [w for w in order if w.inflight + 1 > cap]
