@@ -111,10 +111,6 @@ class Fleet:
             await self._session.close()
             self._session = None
 
-    def add_source(self, source: Source) -> None:
-        """Register an extra source before ``start`` (tests and embedders)."""
-        self._sources.append(source)
-
     # Registry
 
     def add(self, spec: WorkerSpec, source: str = "static") -> Worker:

@@ -49,16 +49,31 @@ class RedisShare:
         self._pending: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
-        pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.channel)
-        for raw in (await self.redis.hgetall(self.registry_key)).values():
-            self._apply({"op": "add", "spec": orjson.loads(raw), "origin": ""})
+        """Connect and load the shared registry; if Redis is down, keep retrying in the
+        background while the fleet runs on its local counts alone."""
+        pubsub = None
+        try:
+            pubsub = await self._subscribe()
+            await self.sync()
+        except (aioredis.RedisError, OSError) as exc:
+            log.warning("redis %s unavailable, running local-only until it is: %s", self.url, exc)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._sync_loop(), name="balancer:redis-sync"),
             loop.create_task(self._listen(pubsub), name="balancer:redis-registry"),
         ]
-        await self.sync()
+
+    async def _subscribe(self) -> Any:
+        """Subscribe to registry changes, then load the stored registry (none is missed)."""
+        pubsub = self.redis.pubsub()
+        try:
+            await pubsub.subscribe(self.channel)
+            for raw in (await self.redis.hgetall(self.registry_key)).values():
+                self._apply({"op": "add", "spec": orjson.loads(raw), "origin": ""})
+        except BaseException:
+            await pubsub.aclose()
+            raise
+        return pubsub
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -171,18 +186,26 @@ class RedisShare:
         task.add_done_callback(self._pending.discard)
 
     async def _listen(self, pubsub: Any) -> None:
-        try:
-            async for message in pubsub.listen():
-                if message.get("type") != "message":
-                    continue
-                try:
-                    data = orjson.loads(message["data"])
-                except orjson.JSONDecodeError:
-                    continue
-                if data.get("origin") != self.instance:
-                    self._apply(data)
-        finally:
-            await pubsub.aclose()
+        while True:
+            try:
+                if pubsub is None:
+                    pubsub = await self._subscribe()
+                async for message in pubsub.listen():
+                    if message.get("type") != "message":
+                        continue
+                    try:
+                        data = orjson.loads(message["data"])
+                    except orjson.JSONDecodeError:
+                        continue
+                    if data.get("origin") != self.instance:
+                        self._apply(data)
+            except (aioredis.RedisError, OSError) as exc:
+                log.warning("redis registry channel lost, resubscribing: %s", exc)
+                await asyncio.sleep(1.0)
+            finally:
+                if pubsub is not None:
+                    await pubsub.aclose()
+                    pubsub = None
 
     def _apply(self, data: dict[str, Any]) -> None:
         self._applying = True
