@@ -29,10 +29,14 @@ PRIORITIES = ("high", "normal", "low")
 
 
 class TTFTModel:
-    """Seconds per prefill token, per worker, learned from observed first tokens."""
+    """Seconds per prefill token, per worker, learned from observed first tokens.
+
+    A worker not yet observed borrows the fleet-wide rate (same hardware, same model).
+    """
 
     def __init__(self) -> None:
         self.rate: dict[str, float] = {}
+        self.fleet_rate: float | None = None
 
     def observe(self, worker_id: str, ttft_s: float, work_tokens: float) -> None:
         if work_tokens <= 0 or ttft_s <= 0:
@@ -40,13 +44,15 @@ class TTFTModel:
         sample = ttft_s / work_tokens
         old = self.rate.get(worker_id)
         self.rate[worker_id] = sample if old is None else old + _EWMA * (sample - old)
+        fleet = self.fleet_rate
+        self.fleet_rate = sample if fleet is None else fleet + _EWMA * (sample - fleet)
 
     def work_tokens(self, ctx: Context, worker: Worker) -> float:
         uncached = max(ctx.prompt_tokens - ctx.matched.get(worker.id, 0.0), 1.0)
         return uncached + worker.load().prefill_tokens
 
     def predict(self, ctx: Context, worker: Worker) -> float | None:
-        rate = self.rate.get(worker.id)
+        rate = self.rate.get(worker.id, self.fleet_rate)
         if rate is None:
             return None
         return rate * self.work_tokens(ctx, worker)

@@ -1,0 +1,149 @@
+"""KV-aware routing end to end: real router, real mock engines, real KV events (or none)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.router.conftest import StartRouter
+from tests.support import TOKENIZER_DIR, Server, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+SYSTEM = "You are a careful assistant who answers in full sentences. " * 120
+
+
+def chat(turn: int, system: str = SYSTEM) -> dict:
+    return {
+        "model": "m",
+        "max_tokens": 3,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Question number {turn}?"},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[tuple[Server, int]]]:
+    started: list[tuple[Server, int]] = []
+    try:
+        for _ in range(3):
+            port, events = free_port(), free_port()
+            argv = [
+                "mock",
+                "--port",
+                str(port),
+                "--model",
+                "m",
+                "--speed",
+                "100",
+                "--kv-events-port",
+                str(events),
+            ]
+            started.append((Server(argv, port).start(), events))
+        yield started
+    finally:
+        for server, _ in started:
+            server.stop()
+
+
+def reset(engines: list[tuple[Server, int]]) -> None:
+    for server, _ in engines:
+        httpx.post(server.url + "/reset_prefix_cache").raise_for_status()
+
+
+def metric(text: str, name: str) -> float:
+    found = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for v in found)
+
+
+def test_a_repeated_long_prefix_returns_to_the_engine_that_holds_it(
+    engines: list[tuple[Server, int]], start_router: StartRouter
+) -> None:
+    reset(engines)
+    events = tuple(f"--kv-events={s.url}=tcp://127.0.0.1:{p}" for s, p in engines)
+    router = start_router(
+        *(s.url for s, _ in engines),
+        args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR), *events),
+    ).url
+    served, cached = [], []
+    for turn in range(6):
+        resp = httpx.post(router + "/v1/chat/completions", json=chat(turn), timeout=30)
+        assert resp.status_code == 200
+        served.append(resp.headers["x-switchyard-worker"])
+        cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        time.sleep(0.1)
+    assert len(set(served)) == 1
+    assert all(c > 1000 for c in cached[1:])
+    text = httpx.get(router + "/metrics").text
+    assert metric(text, "switchyard_router_kv_estimating") == 0
+    assert metric(text, "switchyard_router_fleet_hit_rate") > 0.5
+    assert metric(text, "switchyard_router_actual_cached_tokens_total") == sum(cached)
+
+
+def test_approximate_mode_without_events_keeps_affinity_and_says_so(
+    engines: list[tuple[Server, int]], start_router: StartRouter
+) -> None:
+    reset(engines)
+    router = start_router(
+        *(s.url for s, _ in engines),
+        args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR)),
+    ).url
+    served = []
+    for turn in range(5):
+        resp = httpx.post(router + "/v1/chat/completions", json=chat(turn), timeout=30)
+        served.append(resp.headers["x-switchyard-worker"])
+    assert len(set(served)) == 1
+    text = httpx.get(router + "/metrics").text
+    assert metric(text, "switchyard_router_kv_estimating") == len(engines)
+    other = httpx.post(
+        router + "/v1/chat/completions", json=chat(0, system="Different. " * 400), timeout=30
+    )
+    assert other.status_code == 200
+
+
+def test_admission_rejects_with_429_when_the_slo_cannot_be_met(
+    engines: list[tuple[Server, int]], start_router: StartRouter
+) -> None:
+    router = start_router(
+        *(s.url for s, _ in engines),
+        args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR)),
+        config={"router": {"admission_max_wait_ms": 50}},
+    ).url
+    body = {**chat(1, system="Fresh context. " * 300), "stream": True}
+    with httpx.stream("POST", router + "/v1/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        resp.read()
+    generous = httpx.post(
+        router + "/v1/chat/completions", json=chat(2), headers={"x-slo-ttft-ms": "60000"}
+    )
+    assert generous.status_code == 200
+    hopeless = httpx.post(
+        router + "/v1/chat/completions",
+        json=chat(3, system="Another fresh context. " * 300),
+        headers={"x-slo-ttft-ms": "0.001"},
+    )
+    assert hopeless.status_code == 429
+    assert hopeless.json()["error"]["code"] == "slo_unattainable"
+    assert int(hopeless.headers["retry-after"]) >= 1
+    vip = httpx.post(
+        router + "/v1/chat/completions",
+        json=chat(4, system="Yet another context. " * 300),
+        headers={"x-slo-ttft-ms": "0.001", "x-priority": "high"},
+    )
+    assert vip.status_code == 200
+
+
+def test_bad_slo_header_is_400(
+    engines: list[tuple[Server, int]], start_router: StartRouter
+) -> None:
+    router = start_router(*(s.url for s, _ in engines)).url
+    resp = httpx.post(
+        router + "/v1/chat/completions", json=chat(0), headers={"x-slo-ttft-ms": "soon"}
+    )
+    assert resp.status_code == 400
