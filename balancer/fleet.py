@@ -47,6 +47,12 @@ class Source(Protocol):
     async def stop(self) -> None: ...
 
 
+def _rank_counters(ticket: Ticket) -> RankCounters | None:
+    """The ticket's rank counters (None if a respec shrank the worker's ranks since)."""
+    ranks = ticket.worker.ranks
+    return ranks[ticket.rank] if ticket.rank < len(ranks) else None
+
+
 class Fleet:
     """The set of workers a router may send to, and what it knows about each."""
 
@@ -213,6 +219,9 @@ class Fleet:
         counters = worker.ranks[rank]
         counters.inflight += 1
         counters.prefill_tokens += prompt_tokens
+        totals = worker.totals
+        totals.inflight += 1
+        totals.prefill_tokens += prompt_tokens
         worker.inflight += 1
         worker.local_inflight += 1
         worker.sent_since_scrape += 1
@@ -222,10 +231,14 @@ class Fleet:
         if ticket.decoding or ticket.done:
             return
         ticket.decoding = True
-        counters = ticket.worker.ranks[ticket.rank]
-        counters.prefill_tokens -= ticket.prompt_tokens
-        counters.decode_seqs += 1
-        counters.decode_tokens += ticket.prompt_tokens
+        worker = ticket.worker
+        n = ticket.prompt_tokens
+        for counters in (_rank_counters(ticket), worker.totals):
+            if counters is None:
+                continue
+            counters.prefill_tokens -= n
+            counters.decode_seqs += 1
+            counters.decode_tokens += n
 
     def progress(self, ticket: Ticket, generated_tokens: int) -> None:
         """Optional: output tokens so far, so decode context (what a step attends) grows.
@@ -235,7 +248,11 @@ class Fleet:
         """
         if ticket.done or not ticket.decoding or generated_tokens <= ticket.generated:
             return
-        ticket.worker.ranks[ticket.rank].decode_tokens += generated_tokens - ticket.generated
+        grown = generated_tokens - ticket.generated
+        rank = _rank_counters(ticket)
+        if rank is not None:
+            rank.decode_tokens += grown
+        ticket.worker.totals.decode_tokens += grown
         ticket.generated = generated_tokens
 
     def end(self, ticket: Ticket, outcome: Outcome) -> None:
@@ -243,8 +260,9 @@ class Fleet:
             return
         ticket.done = True
         worker = ticket.worker
-        counters = worker.ranks[ticket.rank] if ticket.rank < len(worker.ranks) else None
-        if counters is not None:
+        for counters in (_rank_counters(ticket), worker.totals):
+            if counters is None:
+                continue
             counters.inflight -= 1
             if ticket.decoding:
                 counters.decode_seqs -= 1

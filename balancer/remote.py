@@ -21,6 +21,7 @@ import aiohttp
 from balancer.fleet import Fleet
 from balancer.health import Circuit
 from balancer.settings import BalancerSettings
+from balancer.shared import set_remote
 from balancer.worker import Outcome, Ticket, Worker, WorkerSpec
 
 log = logging.getLogger("switchyard.balancer.remote")
@@ -98,18 +99,22 @@ class RemoteFleet(Fleet):
         worker.flavor = item.get("flavor") or worker.flavor
         if item.get("circuit") == "open" and worker.breaker.state is Circuit.CLOSED:
             worker.breaker.trip()
-        remote_total = 0
+        summed = [0, 0, 0, 0]
         for rank in item.get("ranks", []):
             i = int(rank["rank"])
             if i >= len(worker.ranks):
                 continue
             c = worker.ranks[i]
-            c.remote_inflight = max(int(rank["inflight"]) - c.inflight, 0)
-            c.remote_prefill_tokens = max(int(rank["prefill_tokens"]) - c.prefill_tokens, 0)
-            c.remote_decode_seqs = max(int(rank["decode_seqs"]) - c.decode_seqs, 0)
-            c.remote_decode_tokens = max(int(rank["decode_tokens"]) - c.decode_tokens, 0)
-            remote_total += c.remote_inflight
-        worker.inflight = worker.local_inflight + remote_total
+            values = (
+                max(int(rank["inflight"]) - c.inflight, 0),
+                max(int(rank["prefill_tokens"]) - c.prefill_tokens, 0),
+                max(int(rank["decode_seqs"]) - c.decode_seqs, 0),
+                max(int(rank["decode_tokens"]) - c.decode_tokens, 0),
+            )
+            set_remote(c, values)
+            summed = [a + b for a, b in zip(summed, values, strict=True)]
+        set_remote(worker.totals, summed)
+        worker.inflight = worker.local_inflight + summed[0]
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -15,12 +15,13 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis.asyncio as aioredis
 
-from balancer.worker import WorkerSpec
+from balancer.worker import RankCounters, WorkerSpec
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("switchyard.balancer.redis")
 
 Counts = tuple[int, int, int, int]
+
+
+def set_remote(counters: RankCounters, values: Sequence[int]) -> None:
+    """Replace the peers' part of a rank's (or a worker's total) counters."""
+    (
+        counters.remote_inflight,
+        counters.remote_prefill_tokens,
+        counters.remote_decode_seqs,
+        counters.remote_decode_tokens,
+    ) = values
 
 
 class RedisShare:
@@ -132,15 +143,13 @@ class RedisShare:
 
     def _fold(self, totals: dict[tuple[str, int], list[int]]) -> None:
         for worker in self.fleet.workers():
-            remote = 0
+            summed = [0, 0, 0, 0]
             for rank, counters in enumerate(worker.ranks):
-                inflight, prefill, seqs, ctx = totals.get((worker.id, rank), (0, 0, 0, 0))
-                counters.remote_inflight = inflight
-                counters.remote_prefill_tokens = prefill
-                counters.remote_decode_seqs = seqs
-                counters.remote_decode_tokens = ctx
-                remote += inflight
-            worker.inflight = worker.local_inflight + remote
+                values = totals.get((worker.id, rank), (0, 0, 0, 0))
+                set_remote(counters, values)
+                summed = [a + b for a, b in zip(summed, values, strict=True)]
+            set_remote(worker.totals, summed)
+            worker.inflight = worker.local_inflight + summed[0]
 
     async def _sync_loop(self) -> None:
         while True:

@@ -214,6 +214,7 @@ class Worker:
         self.draining = False
         self.remove_when_idle = False
         self.ranks = [RankCounters() for _ in range(spec.dp_size)]
+        self.totals = RankCounters()  # sums over ranks, kept in step so load() is O(1)
         self.engine: EngineSample | None = None
         self.engine_ranks: dict[int, EngineSample] = {}
         self.scraped_at: float | None = None
@@ -286,31 +287,35 @@ class Worker:
 
     def load(self) -> Load:
         now = time.monotonic()
-        fresh = self.engine_fresh(now)
-        prefill = sum(r.prefill_tokens + r.remote_prefill_tokens for r in self.ranks)
-        seqs = sum(r.decode_seqs + r.remote_decode_seqs for r in self.ranks)
-        ctx = sum(r.decode_tokens + r.remote_decode_tokens for r in self.ranks)
+        engine = self.engine
+        scraped = self.scraped_at
+        fresh = (
+            engine is not None
+            and scraped is not None
+            and now - scraped <= self._settings.scrape_staleness
+        )
         requests = float(self.inflight)
         running = waiting = None
         kv = None
-        if fresh and self.engine is not None:
-            running, waiting, kv = self.engine.running, self.engine.waiting, self.engine.kv_usage
+        if fresh and engine is not None:
+            running, waiting, kv = engine.running, engine.waiting, engine.kv_usage
             requests = max(requests, float(running + waiting + self.sent_since_scrape))
-        weight = self.weight(now)
+        weight = self.weight(now) if self._settings.slow_start_seconds > 0 else 1.0
         raw = requests + (waiting or 0) + self._settings.kv_usage_weight * (kv or 0.0)
+        t = self.totals
         return Load(
-            inflight=self.inflight,
-            prefill_tokens=prefill,
-            decode_seqs=seqs,
-            decode_tokens=ctx,
-            engine_running=running,
-            engine_waiting=waiting,
-            kv_usage=kv,
-            metrics_age=None if self.scraped_at is None else now - self.scraped_at,
-            stale=not fresh,
-            weight=weight,
-            requests=requests,
-            score=raw / weight,
+            self.inflight,
+            t.prefill_tokens + t.remote_prefill_tokens,
+            t.decode_seqs + t.remote_decode_seqs,
+            t.decode_tokens + t.remote_decode_tokens,
+            running,
+            waiting,
+            kv,
+            None if scraped is None else now - scraped,
+            not fresh,
+            weight,
+            requests,
+            raw / weight,
         )
 
     def describe(self) -> dict[str, Any]:

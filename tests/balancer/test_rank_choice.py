@@ -106,3 +106,19 @@ def test_service_tickets_nobody_ends_expire_as_aborts() -> None:
     tickets.add(fleet.begin(worker, prompt_tokens=5))
     assert tickets.expire() == 1
     assert worker.inflight == 0 and worker.circuit == "closed"
+
+
+def test_worker_load_totals_equal_the_sum_over_ranks() -> None:
+    fleet = fleet_with("step_balanced", "http://127.0.0.1:9;dp=4")
+    worker = fleet.workers()[0]
+    tickets = [fleet.begin(worker, prompt_tokens=10 * (i + 1), dp_rank=i % 4) for i in range(9)]
+    for t in tickets[::2]:
+        fleet.first_token(t)
+        fleet.progress(t, 7)
+    for t in tickets[::3]:
+        fleet.end(t, Outcome.SUCCESS)
+    load, ranks = worker.load(), worker.rank_loads()
+    assert load.inflight == sum(r.inflight for r in ranks) == 6
+    assert load.prefill_tokens == sum(r.prefill_tokens for r in ranks)
+    assert load.decode_seqs == sum(r.decode_seqs for r in ranks)
+    assert load.decode_tokens == sum(r.decode_tokens for r in ranks)
