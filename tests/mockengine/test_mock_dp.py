@@ -89,10 +89,11 @@ def test_kv_events_of_a_rank_carry_that_rank_on_port_plus_rank() -> None:
         sub.connect(f"tcp://127.0.0.1:{events + 1}")
         try:
             frames: list[bytes] = []
-            for _ in range(50):
+            for attempt in range(50):
+                # A fresh prompt each time: a cached one stores no blocks, so sends no event.
                 httpx.post(
                     srv.url + "/v1/completions",
-                    json={"prompt": "block " * 40, "max_tokens": 2},
+                    json={"prompt": f"block {attempt} " * 40, "max_tokens": 2},
                     headers={"X-data-parallel-rank": "1"},
                 )
                 try:

@@ -135,8 +135,10 @@ def test_kv_gap_skips_event_sequence_numbers() -> None:
         sub.connect(f"tcp://127.0.0.1:{events}")
         try:
             seqs: list[int] = []
+            attempt = 0
             while not seqs:
-                complete(srv, prompt="warm up " * 20)
+                attempt += 1  # fresh prompts: a cached one stores no blocks, sends no event
+                complete(srv, prompt=f"warm up {attempt} " * 20)
                 try:
                     seqs.append(int.from_bytes(sub.recv_multipart(zmq.NOBLOCK)[1], "big"))
                 except zmq.Again:
@@ -170,8 +172,10 @@ def test_kv_drop_loses_batches_on_the_wire_that_replay_recovers() -> None:
         dealer.connect(f"tcp://127.0.0.1:{replay}")
         try:
             seen: list[int] = []
+            attempt = 0
             while not seen:
-                complete(srv, prompt="warm up " * 20)
+                attempt += 1  # fresh prompts: a cached one stores no blocks, sends no event
+                complete(srv, prompt=f"warm up {attempt} " * 20)
                 try:
                     seen.append(int.from_bytes(sub.recv_multipart()[1], "big"))
                 except zmq.Again:
