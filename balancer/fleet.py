@@ -209,7 +209,15 @@ class Fleet:
             ]
             self._pools[(model, role)] = pool
         now = time.monotonic()
-        return [w for w in pool if w.routable(now)]
+        closed = Circuit.CLOSED
+        return [
+            w
+            for w in pool
+            if w.healthy
+            and not w.draining
+            and w.ejected_until <= now
+            and (w.breaker.state is closed or w.breaker.admits(now))
+        ]
 
     def begin(
         self, worker: Worker, *, prompt_tokens: int = 0, dp_rank: int | None = None
