@@ -83,7 +83,8 @@ def check(name: str, outcome: Outcome) -> list[str]:
     ceiling = outcome.ceiling.bounded_hit_rate
     if name in ("multiturn", "mooncake") and hit is not None:
         ok_smg = None if smg_hit is None else hit >= smg_hit
-        verdict("(a) hit ≥ smg", ok_smg, f"{hit:.3f} vs {smg_hit}")
+        theirs = "-" if smg_hit is None else f"{smg_hit:.3f}"
+        verdict("(a) hit ≥ smg", ok_smg, f"{hit:.3f} vs {theirs}")
         verdict(
             "(a) hit within 0.02 of ceiling", ceiling - hit <= 0.02, f"{hit:.3f} vs {ceiling:.3f}"
         )
@@ -141,8 +142,9 @@ def main() -> None:
             console.rule(f"[bold]{name}")
             outcome = compare(cfg, console)
             write_reports(outcome, console)
-            verdicts += check(name, outcome)
-            console.print(*verdicts[-4:], sep="\n")
+            found = check(name, outcome)
+            verdicts += found
+            console.print(*found, sep="\n")
     console.rule("[bold]targets")
     console.print(*verdicts, sep="\n")
 

@@ -25,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from loadtest.ceiling import Ceiling, ceiling
 from loadtest.client import Result, replay
-from loadtest.fleet import MockFleet
+from loadtest.fleet import HITS, QUERIES, SERVED, MockFleet
 from loadtest.metrics import SLO, Summary, summarize
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
@@ -106,16 +106,17 @@ def _one_run(
     workload: Workload,
     cfg: CompareConfig,
     on_done: Callable[[Result], None] | None,
-) -> tuple[list[Result], list[int]]:
+) -> tuple[list[Result], list[dict[str, float]]]:
+    """Results, and per engine how much each of its counters grew during the run."""
     fleet.reset()
-    before = fleet.served()
+    before = fleet.counters()
     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
         time.sleep(cfg.settle_s)
         results = asyncio.run(
             replay(router.url, workload, MODEL, cfg.request_timeout_s, on_done=on_done)
         )
-    after = fleet.served()
-    return results, [a - b for a, b in zip(after, before, strict=True)]
+    after = fleet.counters()
+    return results, [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
 
 
 def compare(
@@ -178,12 +179,15 @@ def _attempt(
     label = f"{spec.label:>18} run {repeat + 1}/{cfg.repeats}"
     task = progress.add_task(label, total=len(workload.requests))
     try:
-        results, per_engine = _one_run(fleet, spec, workload, cfg, lambda _: progress.advance(task))
+        results, deltas = _one_run(fleet, spec, workload, cfg, lambda _: progress.advance(task))
     except Unavailable as exc:
         outcome.unavailable[spec.label] = str(exc)
         progress.update(task, description=f"{spec.label:>18} not available")
         return False
+    per_engine = [int(d[SERVED]) for d in deltas]
+    queried = sum(d[QUERIES] for d in deltas)
     summary = summarize(results, slo, per_engine)
+    summary.engine_hit_rate = sum(d[HITS] for d in deltas) / queried if queried else None
     ttfts = [r.ttft_s * 1000.0 for r in results if r.ok and r.ttft_s is not None]
     outcome.runs.append(Run(spec.label, repeat, summary, ttfts))
     return True

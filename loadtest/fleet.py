@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 import httpx
 
 SERVED = "vllm:e2e_request_latency_seconds_count"
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+COUNTERS = (SERVED, HITS, QUERIES)
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -125,9 +128,13 @@ class MockFleet:
         with httpx.Client(timeout=5.0) as c:
             return [parse_prometheus(c.get(e.url + "/metrics").text) for e in self.engines]
 
+    def counters(self) -> list[dict[str, float]]:
+        """Per engine: requests finished, prefix-cache hit and queried tokens so far."""
+        return [{name: m.get(name, 0.0) for name in COUNTERS} for m in self.scrape()]
+
     def served(self) -> list[int]:
         """Requests each engine finished so far (its own counter)."""
-        return [int(m.get(SERVED, 0.0)) for m in self.scrape()]
+        return [int(c[SERVED]) for c in self.counters()]
 
     def reset(self, timeout_s: float = 60.0) -> None:
         """Wait until every engine is idle, then empty every prefix cache."""

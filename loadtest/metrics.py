@@ -74,6 +74,9 @@ class Summary:
     per_engine: list[int] = field(default_factory=list)
     spread: float | None = None
     error_samples: list[str] = field(default_factory=list)
+    # The engines' own view (prefix-cache hits / queried tokens): a cross-check of
+    # ``hit_rate`` that does not depend on the router passing usage through.
+    engine_hit_rate: float | None = None
 
 
 def _ms(values: list[float], qs: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:

@@ -72,6 +72,7 @@ def test_bench_compare_writes_table_json_and_plots_and_reports_unavailable_confi
         assert sum(run["per_engine"]) == requests
         assert 0.0 < run["hit_rate"] <= report["ceiling"]["infinite_hit_rate"] + 1e-9
         assert run["ttft_ms"]["p50"] > 0
+        assert run["engine_hit_rate"] == pytest.approx(run["hit_rate"], abs=0.01)
     assert report["runs"][0]["per_engine"] == [15, 15]
     assert set(report["aggregate"]) == {"round_robin", "least_load"}
     assert set(report["unavailable"]) == {"no_such_policy", "another_unknown"}
