@@ -25,10 +25,6 @@ class Decider:
     def __init__(self, min_prefill_tokens: int) -> None:
         self.min_prefill_tokens = min_prefill_tokens
 
-    @property
-    def needs_prefix(self) -> bool:
-        return self.min_prefill_tokens > 0
-
     def decide(self, ctx: Context, decode_workers: list[Worker]) -> Decision:
         """``ctx`` carries the prompt size and, if looked up, the decode workers' matches."""
         if self.min_prefill_tokens <= 0:

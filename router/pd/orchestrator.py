@@ -99,7 +99,7 @@ class PDOrchestrator:
         self.relay = relay
         self.forwarder = forwarder
         self.kv = kv
-        self.pools = Pools(fleet, settings)
+        self.pools = Pools(fleet, settings, has_kvstore=kv is not None)
         self.decider = Decider(settings.min_prefill_tokens)
         self.metrics = PDMetrics(metrics.registry, fleet)
         # Streamed decode legs answer their head only once the KV is in: that head is
@@ -120,6 +120,8 @@ class PDOrchestrator:
             max_attempts=max_attempts,
             backoff_s=forwarder.backoff_s,
             backoff_max_s=forwarder.backoff_max_s,
+            kv=forwarder.kv,
+            ttft_model=forwarder.ttft_model,
         )
 
     async def start(self) -> None:
@@ -153,11 +155,8 @@ class PDOrchestrator:
                 req = await self._encode(req, refs, headers, rid)
         job = _Job(req, self.pools.context(req, rid), headers, request_id, _Watch(send), started)
         decode_workers = self.fleet.candidates(req.model, Role.DECODE)
-        if (
-            self.kv is not None
-            and decode_workers
-            and (self.decider.needs_prefix or self.pools.needs_prefix(Role.DECODE))
-        ):
+        if self.kv is not None and decode_workers:
+            # Also lets the decode leg's answer record where the prompt's KV now lives.
             await self.kv.annotate(job.ctx, req, decode_workers)
         decode = self.pools.ranked(Role.DECODE, job.ctx, decode_workers)
         if not self.decider.decide(job.ctx, decode_workers).disaggregate:
@@ -167,19 +166,24 @@ class PDOrchestrator:
                 return await self._forward(job, req, direct)
         if not decode:
             return await self._fallback(job, "no_decode")
-        prefill = await self._prefill_order(job)
+        pctx, prefill = await self._prefill_order(job)
         if not prefill:
             return await self._fallback(job, "no_prefill")
         if self.protocol == "sglang":
-            return await self._sglang(job, prefill, decode)
-        return await self._vllm(job, prefill, decode)
+            return await self._sglang(job, pctx, prefill, decode)
+        return await self._vllm(job, pctx, prefill, decode)
 
-    async def _prefill_order(self, job: _Job) -> list[Worker]:
+    async def _prefill_order(self, job: _Job) -> tuple[Context, list[Worker]]:
         workers = self.fleet.candidates(job.req.model, Role.PREFILL)
         ctx = self.pools.context(job.req, job.rid)
         if self.kv is not None and workers and self.pools.needs_prefix(Role.PREFILL):
             await self.kv.annotate(ctx, job.req, workers)
-        return self.pools.ranked(Role.PREFILL, ctx, workers)
+        return ctx, self.pools.ranked(Role.PREFILL, ctx, workers)
+
+    async def _prefilled(self, ctx: Context, worker: Worker) -> None:
+        """The prompt's KV now lives on ``worker``: tell the KV store (approximate mode)."""
+        if self.kv is not None:
+            await self.kv.placed(ctx, worker, None)
 
     async def _prefill_leg(self, job: _Job, worker: Worker, body: bytes) -> dict[str, Any]:
         return await call_json(
@@ -196,7 +200,7 @@ class PDOrchestrator:
     # vLLM: prefill leg, then decode leg with the prefill's kv_transfer_params.
 
     async def _vllm(
-        self, job: _Job, prefill: list[Worker], decode: list[Worker]
+        self, job: _Job, pctx: Context, prefill: list[Worker], decode: list[Worker]
     ) -> tuple[int, str]:
         req = job.req
         body = wire.vllm_prefill(req.data)
@@ -215,6 +219,7 @@ class PDOrchestrator:
                 continue
             prefill_done = time.perf_counter()
             self._phase("prefill", prefill_done - leg_started)
+            await self._prefilled(pctx, worker)
             break
         if answer is None:
             return await self._fallback(job, "prefill_failed", last)
@@ -232,7 +237,7 @@ class PDOrchestrator:
     # SGLang: both legs at once with a shared bootstrap room; either failing aborts the other.
 
     async def _sglang(
-        self, job: _Job, prefill: list[Worker], decode: list[Worker]
+        self, job: _Job, pctx: Context, prefill: list[Worker], decode: list[Worker]
     ) -> tuple[int, str]:
         last: LegError | None = None
         watch = job.watch
@@ -262,6 +267,7 @@ class PDOrchestrator:
                 if prefill_task.done():
                     prefill_done = time.perf_counter()
                     self._phase("prefill", prefill_done - leg_started)
+                    await self._prefilled(pctx, worker)
                     self._path("disaggregated")
                     result = await decode_task
                     self._observe_decode(watch, prefill_done)
@@ -275,6 +281,7 @@ class PDOrchestrator:
                     self.metrics.child(self.metrics.aborts, "prefill", "decode_ended").inc()
                 elif prefill_task.exception() is None:
                     self._phase("prefill", time.perf_counter() - leg_started)
+                    await self._prefilled(pctx, worker)
                 return result
             finally:
                 await _cancel(prefill_task)

@@ -18,11 +18,12 @@ from router.scheduler.policies import build_scheduler
 
 
 class Pools:
-    def __init__(self, fleet: Fleet, settings: PDSettings) -> None:
+    def __init__(self, fleet: Fleet, settings: PDSettings, has_kvstore: bool = False) -> None:
         self.fleet = fleet
         opts = settings.policy_options
+        prefill = settings.prefill_policy or ("kv_aware" if has_kvstore else "least_load")
         self.schedulers: dict[Role, Scheduler] = {
-            Role.PREFILL: build_scheduler(settings.prefill_policy, opts.get("prefill")),
+            Role.PREFILL: build_scheduler(prefill, opts.get("prefill")),
             Role.DECODE: build_scheduler(settings.decode_policy, opts.get("decode")),
             Role.ENCODE: build_scheduler(settings.encode_policy, opts.get("encode")),
             Role.UNIFIED: build_scheduler(settings.decode_policy, opts.get("decode")),

@@ -22,8 +22,10 @@ class PDSettings(BaseModel):
     decode: list[str] = Field(default_factory=list, description="decode worker URLs")
     encode: list[str] = Field(default_factory=list, description="encode worker URLs")
 
-    # One scheduler per pool (names of router/scheduler/policies.py).
-    prefill_policy: str = "least_load"
+    # One scheduler per pool (names of router/scheduler/policies.py). Prefill: None picks
+    # kv_aware when the router has a KV store (prefix reuse lives on prefill workers),
+    # else least_load.
+    prefill_policy: str | None = None
     decode_policy: str = "least_load"
     encode_policy: str = "consistent_hash"
     policy_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
