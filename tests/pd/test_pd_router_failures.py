@@ -192,3 +192,33 @@ def test_vllm_prefill_timeout_without_fallback_is_a_clear_504(tmp_path: Path) ->
         stop(front, prefill, decode)
     assert err.value.status_code == 504
     assert err.value.body["code"] == "prefill_timeout"
+
+
+@pytest.mark.parametrize("protocol", ["vllm", "sglang"])
+def test_client_disconnect_aborts_the_decode_leg(tmp_path: Path, protocol: str) -> None:
+    flavor = ("--flavor", protocol)
+    if protocol == "sglang":
+        prefill, boot = sglang_prefill()
+        prefill_spec = spec(prefill.url, bootstrap=boot)
+    else:
+        prefill = mock("--role", "prefill")
+        prefill_spec = spec(prefill.url)
+    decode = mock(*flavor, "--role", "decode", "--fault-slow-stream-ms", "20")
+    front = router(tmp_path, protocol, prefill=[prefill_spec], decode=[spec(decode.url)])
+    name = "vllm:num_requests_running" if protocol == "vllm" else "sglang:num_running_reqs"
+    try:
+        stream = client(front).completions.create(
+            model=MODEL, prompt=LONG_PROMPT, max_tokens=4000, stream=True
+        )
+        next(iter(stream))
+        streaming = metric(decode.url, name)
+        stream.close()
+        deadline = time.monotonic() + 3
+        running = streaming
+        while running and time.monotonic() < deadline:
+            time.sleep(0.05)
+            running = metric(decode.url, name)
+    finally:
+        stop(front, prefill, decode)
+    assert streaming == 1
+    assert running == 0
