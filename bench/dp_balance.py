@@ -18,7 +18,6 @@ Reported per policy:
   throughput  = output tokens per simulated second while the workload is being admitted
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 256] [--requests 3000] [--seed 1]
-      (as a module: ``bench/mockengine.py`` would shadow the package as a script)
 """
 
 from __future__ import annotations

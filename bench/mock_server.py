@@ -1,6 +1,6 @@
 """How fast one mock engine process is, and how fast the virtual clock simulates.
 
-    python bench/mockengine.py [--duration 5] [--connections 32]
+    python bench/mock_server.py [--duration 5] [--connections 32]
 
 1. short non-stream requests/s (max_tokens=1) against one ``switchyard mock`` process;
 2. streamed tokens/s (max_tokens=200, stream=true) against the same process;
