@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import httpx
 import pytest
 import yaml
 from kubernetes import client as k8s
+from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from balancer.k8s import pod_ready, pod_spec
@@ -183,6 +185,42 @@ def test_local_stack_router_lists_exactly_the_mock_fleet_ports() -> None:
     assert {spec.url: spec.kv_events for spec in worker_specs(router)} == expected
     assert router.policy == "kv_aware"
     assert all(m.block_size == router.block_size for m in fleet)
+
+
+def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_path: Path) -> None:
+    """The documented two commands, moved to free ports: later turns hit the engine's cache."""
+    base, kv_base, port = free_port(), free_port(), free_port()
+    raw = yaml.safe_load(LOCAL.read_text())
+    fleet = plan_fleet(LOCAL, {}, 4, base, 0, 0, kv_base)
+    raw["router"]["port"] = port
+    raw["router"]["workers"] = [f"http://127.0.0.1:{m.port}" for m in fleet]
+    raw["router"]["kv_events"] = [
+        f"http://127.0.0.1:{m.port}=tcp://127.0.0.1:{m.kv_events_port}" for m in fleet
+    ]
+    config = tmp_path / "local-stack.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    engines = Server(
+        f"mock-fleet --config {LOCAL} --count 4 --base-port {base} "
+        f"--kv-events-base-port {kv_base} --speed 50".split(),
+        base,
+    )
+    with engines, Server(["router", "--config", str(config)], port) as router:
+        openai = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        system = "You are a careful assistant who answers in one line. " * 20
+        cached = []
+        for turn in range(4):
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {turn}"},
+            ]
+            reply = openai.chat.completions.create(
+                model="mock-model", messages=messages, max_tokens=4
+            )
+            details = reply.usage.prompt_tokens_details if reply.usage else None
+            cached.append(details.cached_tokens if details else 0)
+            time.sleep(0.2)
+    assert cached[0] == 0
+    assert min(cached[1:]) >= 16 * 10
 
 
 def test_local_stack_tokenizer_is_the_mock_engines_tokenizer() -> None:
