@@ -168,7 +168,9 @@ class Forwarder:
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
             mark = self._first_chunk(ttft, started, ticket, work_tokens)
-            tail = await self.relay.stream(resp, send, mark)
+            tail = await self.relay.stream(
+                resp, send, mark, lambda n: self.fleet.progress(ticket, n)
+            )
             await send({"type": "http.response.body", "body": b""})
             return tail
         body = await self.relay.read_all(resp)

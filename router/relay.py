@@ -99,15 +99,18 @@ class Relay:
         resp: aiohttp.ClientResponse,
         send: Send,
         on_first_chunk: Callable[[], None],
+        on_progress: Callable[[int], None],
     ) -> bytes:
         """Forward body chunks as they arrive; return the last two (where usage is).
 
-        Raises UpstreamTimeout if the stream goes idle.
+        ``on_progress`` hears the chunk count every 16 chunks (about one token each
+        from vLLM/SGLang), so the load model sees decode contexts grow. Raises
+        UpstreamTimeout if the stream goes idle.
         """
         loop = asyncio.get_running_loop()
         idle = self.idle_timeout_s
         content = resp.content
-        first = True
+        chunks = 0
         previous = last = b""
         try:
             async with asyncio.timeout(idle) as deadline:
@@ -115,9 +118,11 @@ class Relay:
                     chunk = await content.readany()
                     if not chunk:
                         return previous + last
-                    if first:
-                        first = False
+                    chunks += 1
+                    if chunks == 1:
                         on_first_chunk()
+                    elif not chunks & 15:
+                        on_progress(chunks)
                     previous, last = last, chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     deadline.reschedule(loop.time() + idle)
