@@ -61,6 +61,13 @@ class PDMetrics:
             buckets=_BUCKETS,
             registry=r,
         )
+        self.decisions = Counter(
+            "switchyard_router_pd_decisions",
+            "Conditional disaggregation verdicts (disaggregate or direct), by where the "
+            "uncached prompt size came from (kvstore, estimate, or always when off).",
+            ["verdict", "source"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "switchyard_router_pd_fallbacks",
             "Degraded paths taken, by reason.",

@@ -159,7 +159,10 @@ class PDOrchestrator:
             # Also lets the decode leg's answer record where the prompt's KV now lives.
             await self.kv.annotate(job.ctx, req, decode_workers)
         decode = self.pools.ranked(Role.DECODE, job.ctx, decode_workers)
-        if not self.decider.decide(job.ctx, decode_workers).disaggregate:
+        decision = self.decider.decide(job.ctx, decode_workers)
+        verdict = "disaggregate" if decision.disaggregate else "direct"
+        self.metrics.child(self.metrics.decisions, verdict, decision.source).inc()
+        if not decision.disaggregate:
             direct = self._direct_targets(job, decode)
             if direct:
                 self._path("direct")

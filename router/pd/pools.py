@@ -29,9 +29,6 @@ class Pools:
             Role.UNIFIED: build_scheduler(settings.decode_policy, opts.get("decode")),
         }
 
-    def candidates(self, role: Role, model: str) -> list[Worker]:
-        return self.fleet.candidates(model, role)
-
     def context(self, req: RoutedRequest, request_id: str, key: str | None = None) -> Context:
         return Context(
             model=req.model,

@@ -115,7 +115,3 @@ def image_refs(data: dict[str, Any]) -> list[str]:
                     ref = ref.get("url", "")
                 refs.append(str(ref))
     return refs
-
-
-def with_fields(data: dict[str, Any], **fields: Any) -> dict[str, Any]:
-    return {**data, **{k: v for k, v in fields.items() if v is not None}}

@@ -68,9 +68,11 @@ def test_with_a_kv_store_a_follow_up_turn_skips_the_prefill_pool(tmp_path: Path)
             model=MODEL, prompt=OTHER_PROMPT, max_tokens=2
         )
         direct = metric(front.url, "switchyard_router_pd_requests_total", path="direct")
+        informed = metric(front.url, "switchyard_router_pd_decisions_total", source="kvstore")
     finally:
         for s in (front, prefill, decode):
             s.stop()
+    assert informed == 3
     assert "x-mock-remote-prefill-tokens" in first.headers
     assert "x-mock-remote-prefill-tokens" not in again.headers
     assert "x-mock-remote-prefill-tokens" in fresh.headers
