@@ -99,7 +99,8 @@ def render_table(outcome: Outcome) -> Table:
 
 def to_json(outcome: Outcome) -> dict[str, Any]:
     cfg = dataclasses.asdict(outcome.config)
-    cfg["out"] = str(outcome.config.out)
+    for key in ("out", "mock_config"):
+        cfg[key] = None if cfg[key] is None else str(cfg[key])
     return {
         "config": cfg,
         "workload": outcome.workload.describe(),
