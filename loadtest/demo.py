@@ -16,9 +16,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadtest.compare import CompareConfig, compare, fleet_for
+from loadtest.compare import CompareConfig, Outcome, compare, fleet_for
 from loadtest.fleet import MockFleet
-from loadtest.report import wide_console, write_reports
+from loadtest.report import aggregate, wide_console, write_reports
 from loadtest.routers import RouterSpec, Unavailable, start_router
 
 BEST = "kv_aware|cache_aware|least_load"
@@ -73,11 +73,35 @@ def run_demo(
             "served from their prefix cache (the ceiling is the best any router could "
             "do); TTFT = time to first token; max/mean load 1.00 = perfectly even."
         )
+        line = headline(outcome)
+        if line:
+            console.print(line)
         for path in paths:
             console.print(f"wrote {path.resolve()}")
         if serve:
             best = [p for p in outcome.policies if p != "round_robin"][:1] or ["round_robin"]
             _serve(console, fleet, RouterSpec.parse(best[0]))
+
+
+def headline(outcome: Outcome) -> str:
+    """One sentence: our prefix-aware policy against round_robin, medians of the runs."""
+    agg = aggregate(outcome)
+    ours = next((p for p in outcome.policies if p != "round_robin" and ":" not in p), None)
+    base = agg.get("round_robin")
+    if ours is None or base is None:
+        return ""
+    mine = agg[ours]
+
+    def med(row: dict[str, dict[str, float] | None], col: str) -> float:
+        cell = row.get(col)
+        return float("nan") if cell is None else cell["median"]
+
+    return (
+        f"[bold]{ours}[/] served {med(mine, 'hit rate'):.0%} of prompt tokens from cache "
+        f"(round_robin {med(base, 'hit rate'):.0%}); TTFT p50 {med(mine, 'TTFT p50 ms'):.0f} ms "
+        f"vs {med(base, 'TTFT p50 ms'):.0f} ms, p90 {med(mine, 'TTFT p90 ms'):.0f} ms "
+        f"vs {med(base, 'TTFT p90 ms'):.0f} ms."
+    )
 
 
 def _serve(console: Console, fleet: MockFleet, spec: RouterSpec) -> None:
