@@ -27,7 +27,7 @@ from mockengine.fleet import plan_fleet
 from mockengine.settings import MockSettings
 from router.pd.settings import PDSettings
 from router.scheduler.policies import build_scheduler
-from router.server import worker_specs
+from router.server import build_app, worker_specs
 from router.settings import RouterSettings
 from switchyard.settings import ServiceSettings
 from tests.support import REPO, TOKENIZER_DIR, Server, free_port
@@ -155,6 +155,26 @@ def test_example_config_routes_kv_aware_with_events_per_worker() -> None:
     assert all(spec.kv_events and spec.kv_events.startswith("tcp://") for spec in specs)
     assert [spec.dp_size for spec in specs] == [1, 1, 4]
     assert build_scheduler(s.policy, s.policy_options).needs_prefix
+
+
+def test_example_config_assembles_a_router_with_its_kv_store() -> None:
+    """Everything but the model's tokenizer files, which only exist next to the real engines."""
+    app = build_app(RouterSettings.load(EXAMPLE, tokenizer=str(TOKENIZER_DIR)), EXAMPLE)
+    assert app.kv is not None
+    assert app.fleet.settings.redis_url == "redis://10.0.0.5:6379/0"
+    assert len(app.fleet.workers()) == 3
+
+
+def test_local_stack_assembles_a_kv_aware_router() -> None:
+    app = build_app(RouterSettings.load(LOCAL), LOCAL)
+    assert app.kv is not None and len(app.fleet.workers()) == 4
+
+
+def test_configmap_assembles_a_router_that_discovers_engines(tmp_path: Path) -> None:
+    path = configmap_file(tmp_path)
+    app = build_app(RouterSettings.load(path), path)
+    assert app.kv is not None
+    assert app.fleet.settings.kubernetes and app.fleet.workers() == []
 
 
 def test_example_config_loads_balancer_section() -> None:
