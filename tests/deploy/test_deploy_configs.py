@@ -476,9 +476,49 @@ def test_switchyard_containers_use_real_commands_and_flags() -> None:
         assert set(flags_of(args)) <= cli_flags(args[0]), name
 
 
+def strategic_merge(base: Any, patch: Any) -> Any:
+    """The subset of kubectl's strategic merge our patches use: maps merge, null deletes,
+    lists of named items (containers) merge by name, other lists are replaced."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = strategic_merge(base[key], value) if key in base else value
+        return merged
+    if isinstance(base, list) and isinstance(patch, list) and all("name" in i for i in patch):
+        by_name = {item["name"]: item for item in patch}
+        merged_list = [strategic_merge(i, by_name.pop(i["name"], {})) for i in base]
+        return merged_list + list(by_name.values())
+    return patch
+
+
+def services_mode_deployments() -> dict[str, dict[str, Any]]:
+    """Services mode as kustomize renders it: base and overlay resources, patches applied."""
+    deployments = _deployments("base", "services-mode")
+    kust = yaml.safe_load((K8S / "services-mode" / "kustomization.yaml").read_text())
+    for entry in kust["patches"]:
+        patch = load_docs(K8S / "services-mode" / entry["path"])[0]
+        name = patch["metadata"]["name"]
+        assert patch["kind"] == "Deployment" and name in deployments, entry["path"]
+        deployments[name] = strategic_merge(deployments[name], patch)
+    return deployments
+
+
+def test_services_mode_patches_only_existing_containers() -> None:
+    base = _deployments("base")
+    for name, dep in services_mode_deployments().items():
+        if name in base:
+            containers = dep["spec"]["template"]["spec"]["containers"]
+            before = base[name]["spec"]["template"]["spec"]["containers"]
+            assert [c["name"] for c in containers] == [c["name"] for c in before]
+
+
 def test_services_mode_points_the_router_at_the_balancer_and_kvstore_services() -> None:
-    patch = load_docs(K8S / "services-mode" / "router-services.yaml")[0]
-    args = patch["spec"]["template"]["spec"]["containers"][0]["args"]
+    router = services_mode_deployments()["switchyard-router"]
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:3] == ["router", "--config", "/etc/switchyard/switchyard.yaml"]
     assert set(flags_of(args)) <= cli_flags("router")
     services = {
         d["metadata"]["name"]: d["spec"]["ports"][0]["port"]
@@ -488,6 +528,12 @@ def test_services_mode_points_the_router_at_the_balancer_and_kvstore_services() 
     for flag in ("--balancer", "--kvstore"):
         url = httpx.URL(args[args.index(flag) + 1])
         assert services[url.host] == url.port
+
+
+def test_services_mode_engines_leave_prefixes_to_approximate_mode() -> None:
+    template = services_mode_deployments()["vllm"]["spec"]["template"]
+    spec = pod_spec(_as_running_pod(template, "10.1.2.3"), 8000)
+    assert spec.kv_events is None and spec.flavor == "vllm"
 
 
 # -- compose ---------------------------------------------------------------------------------
