@@ -233,7 +233,7 @@ class PDOrchestrator:
         else:
             decode_req = replace(req, body=wire.vllm_decode(req.data, params))
         self._path("disaggregated")
-        result = await self._forward(job, decode_req, decode)
+        result = await self._forward(job, decode_req, decode, transfer=True)
         self._observe_decode(job.watch, prefill_done)
         return result
 
@@ -250,7 +250,7 @@ class PDOrchestrator:
             leg_started = time.perf_counter()
             prefill_task = asyncio.create_task(self._prefill_leg(job, worker, body))
             decode_task = asyncio.create_task(
-                self._forward(job, replace(job.req, body=body), decode)
+                self._forward(job, replace(job.req, body=body), decode, transfer=True)
             )
             try:
                 await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -373,12 +373,24 @@ class PDOrchestrator:
         )
 
     async def _forward(
-        self, job: _Job, req: RoutedRequest, ranked: list[Worker]
+        self, job: _Job, req: RoutedRequest, ranked: list[Worker], *, transfer: bool = False
     ) -> tuple[int, str]:
+        """Relay ``req`` from the first of ``ranked`` that answers. A streamed decode leg
+        (``transfer``) sends its head once the KV is in, so a late head is a transfer timeout."""
         forwarder = self.stream_forwarder if req.stream else self.forwarder
-        return await forwarder.forward(
-            req, job.ctx, ranked, job.headers, job.request_id, job.watch, job.started
-        )
+        try:
+            return await forwarder.forward(
+                req, job.ctx, ranked, job.headers, job.request_id, job.watch, job.started
+            )
+        except RouterError as exc:
+            if not (transfer and req.stream and exc.code == "upstream_timeout"):
+                raise
+            raise RouterError(
+                504,
+                f"KV transfer timed out: no decode worker started answering within "
+                f"{self.transfer_relay.first_byte_timeout_s:g}s ({exc.message})",
+                code="kv_transfer_timeout",
+            ) from None
 
     async def _pass_error(self, job: _Job, exc: LegError, worker: Worker) -> tuple[int, str]:
         """A leg's client error (bad request, context too long) goes back as the engine said it."""

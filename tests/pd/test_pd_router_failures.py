@@ -245,3 +245,27 @@ def test_client_disconnect_aborts_the_decode_leg(tmp_path: Path, protocol: str) 
         stop(front, prefill, decode)
     assert streaming == 1
     assert running == 0
+
+
+def test_vllm_stalled_kv_transfer_on_a_streamed_decode_ends_in_a_504(tmp_path: Path) -> None:
+    prefill = mock("--role", "prefill")
+    decode = mock("--role", "decode", "--fault-hang-rate", "1")
+    front = router(
+        tmp_path,
+        "vllm",
+        prefill=[spec(prefill.url)],
+        decode=[spec(decode.url)],
+        pd={"kv_transfer_timeout_s": 0.4},
+    )
+    try:
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client(front).completions.create(
+                model=MODEL, prompt=LONG_PROMPT, max_tokens=4, stream=True
+            )
+        elapsed = time.monotonic() - started
+    finally:
+        stop(front, prefill, decode)
+    assert err.value.status_code == 504
+    assert err.value.body["code"] == "kv_transfer_timeout"
+    assert elapsed < 3
