@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# The repo root first: bench/mockengine.py would shadow the mockengine package.
+# The repo root, so the packages import when this runs as a script.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mockengine.engine.api import EngineRequest  # noqa: E402
