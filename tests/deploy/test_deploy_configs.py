@@ -4,6 +4,7 @@ file only uses real CLI flags, and the dashboard only queries metrics that are e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -30,7 +31,7 @@ from router.scheduler.policies import build_scheduler
 from router.server import build_app, worker_specs
 from router.settings import RouterSettings
 from switchyard.settings import ServiceSettings
-from tests.support import REPO, TOKENIZER_DIR, Server, free_port
+from tests.support import REPO, TOKENIZER_DIR, Server, free_port, redis_server
 
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
@@ -225,20 +226,7 @@ def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_pat
         base,
     )
     with engines, Server(["router", "--config", str(config)], port) as router:
-        openai = OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        system = "You are a careful assistant who answers in one line. " * 20
-        cached = []
-        for turn in range(4):
-            messages = [
-                {"role": "system", "content": system},
-                {"role": "user", "content": f"question {turn}"},
-            ]
-            reply = openai.chat.completions.create(
-                model="mock-model", messages=messages, max_tokens=4
-            )
-            details = reply.usage.prompt_tokens_details if reply.usage else None
-            cached.append(details.cached_tokens if details else 0)
-            time.sleep(0.2)
+        cached = _chat_cached_tokens(router.url, 4)
     assert cached[0] == 0
     assert min(cached[1:]) >= 16 * 10
 
@@ -534,6 +522,74 @@ def test_services_mode_engines_leave_prefixes_to_approximate_mode() -> None:
     template = services_mode_deployments()["vllm"]["spec"]["template"]
     spec = pod_spec(_as_running_pod(template, "10.1.2.3"), 8000)
     assert spec.kv_events is None and spec.flavor == "vllm"
+
+
+def _chat_warm_up(base_url: str) -> None:
+    openai = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    openai.chat.completions.create(
+        model="mock-model", messages=[{"role": "user", "content": "warm up"}], max_tokens=1
+    )
+
+
+def _chat_cached_tokens(base_url: str, turns: int) -> list[int]:
+    """Cached prompt tokens per turn of a conversation sharing one long system prompt."""
+    openai = OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+    system = "You are a careful assistant who answers in one line. " * 20
+    cached = []
+    for turn in range(turns):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"question {turn}"},
+        ]
+        reply = openai.chat.completions.create(model="mock-model", messages=messages, max_tokens=4)
+        details = reply.usage.prompt_tokens_details if reply.usage else None
+        cached.append(details.cached_tokens if details else 0)
+        time.sleep(0.3)
+    return cached
+
+
+def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services(
+    tmp_path: Path,
+) -> None:
+    """The ConfigMap on loopback: static workers instead of discovery, the overlay's router
+    flags, one Redis, engines without KV events (as the overlay leaves them)."""
+    raw = yaml.safe_load(configmap_file(tmp_path).read_text())
+    router_port, balancer_port, kvstore_port = free_port(), free_port(), free_port()
+    mocks = [free_port(), free_port()]
+    workers = [f"http://127.0.0.1:{p}" for p in mocks]
+    with redis_server() as (redis_url, _), contextlib.ExitStack() as stack:
+        raw["router"].update(host="127.0.0.1", port=router_port, redis=redis_url)
+        raw["balancer"].update(
+            host="127.0.0.1",
+            port=balancer_port,
+            kubernetes=False,
+            redis_url=redis_url,
+            probe_interval=0.2,
+        )
+        raw["kvstore"].update(
+            host="127.0.0.1", port=kvstore_port, redis=redis_url, tokenize_url=workers[0]
+        )
+        config = tmp_path / "services.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        for port in mocks:
+            stack.enter_context(Server(f"mock --port {port} --speed 50".split(), port))
+        # The workers discovery would find, given to the balancer service alone.
+        found = [arg for w in workers for arg in ("-w", w)]
+        stack.enter_context(Server(["balancer", "--config", str(config), *found], balancer_port))
+        stack.enter_context(Server(["kvstore", "--config", str(config)], kvstore_port))
+        args = services_mode_deployments()["switchyard-router"]["spec"]["template"]["spec"][
+            "containers"
+        ][0]["args"]
+        args = [str(config) if a == "/etc/switchyard/switchyard.yaml" else a for a in args]
+        args[args.index("--balancer") + 1] = f"http://127.0.0.1:{balancer_port}"
+        args[args.index("--kvstore") + 1] = f"http://127.0.0.1:{kvstore_port}"
+        router = stack.enter_context(Server(args, router_port, health_path="/ready"))
+        # A cold kvstore service's first lookup (first /tokenize call to the engine) can
+        # exceed the router's remote-lookup budget and route without prefix knowledge.
+        _chat_warm_up(router.url)
+        cached = _chat_cached_tokens(router.url, 4)
+    assert cached[0] == 0
+    assert min(cached[1:]) >= 16 * 10
 
 
 # -- compose ---------------------------------------------------------------------------------
