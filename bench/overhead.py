@@ -76,7 +76,7 @@ class WrkResult:
 
 
 def _ms(text: str) -> float:
-    value = float(re.match(r"([\d.]+)", text).group(1))  # type: ignore[union-attr]
+    value = float(re.match(r"[\d.]+", text).group(0))  # type: ignore[union-attr]
     if text.endswith("us"):
         return value / 1000
     if text.endswith("ms"):
@@ -91,9 +91,14 @@ def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
          url + "/v1/completions"],
         capture_output=True, text=True, check=True,
     ).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    p50 = _ms(re.search(r"50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    p99 = _ms(re.search(r"99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
+    rps_m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50_m = re.search(r"^\s+50%\s+([\d.]+\w+)", out, re.M)
+    p99_m = re.search(r"^\s+99%\s+([\d.]+\w+)", out, re.M)
+    if not (rps_m and p50_m and p99_m):
+        raise RuntimeError(f"unexpected wrk output for {url}:\n{out}")
+    rps = float(rps_m.group(1))
+    p50 = _ms(p50_m.group(1))
+    p99 = _ms(p99_m.group(1))
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     if errors:
         print(f"  warning: {errors.group(1)} non-2xx responses from {url}")
