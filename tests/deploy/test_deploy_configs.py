@@ -8,6 +8,7 @@ import contextlib
 import functools
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +101,24 @@ def cli_flags(command: str) -> frozenset[str]:
     return frozenset(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", out))
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports (mock-fleet lays engines out so)."""
+    for _ in range(100):
+        base = free_port()
+        if base + count < 65536 and all(_bindable(base + i) for i in range(count)):
+            return base
+    raise RuntimeError(f"no run of {count} free ports")
+
+
 def flags_of(args: list[str]) -> list[str]:
     return [a.split("=", 1)[0] for a in args if a.startswith("--")]
 
@@ -173,7 +192,7 @@ def test_local_stack_assembles_a_kv_aware_router() -> None:
 
 def test_configmap_assembles_a_router_that_discovers_engines(tmp_path: Path) -> None:
     path = configmap_file(tmp_path)
-    app = build_app(RouterSettings.load(path), path)
+    app = build_app(RouterSettings.load(path, tokenizer=str(TOKENIZER_DIR)), path)
     assert app.kv is not None
     assert app.fleet.settings.kubernetes and app.fleet.workers() == []
 
@@ -210,7 +229,7 @@ def test_local_stack_router_lists_exactly_the_mock_fleet_ports() -> None:
 
 def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_path: Path) -> None:
     """The documented two commands, moved to free ports: later turns hit the engine's cache."""
-    base, kv_base, port = free_port(), free_port(), free_port()
+    base, kv_base, port = free_port_run(4), free_port_run(4), free_port()
     raw = yaml.safe_load(LOCAL.read_text())
     fleet = plan_fleet(LOCAL, {}, 4, base, 0, 0, kv_base)
     raw["router"]["port"] = port
@@ -332,6 +351,22 @@ def test_router_is_ready_on_ready_and_alive_on_health() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert router["spec"]["replicas"] == 2
+
+
+def test_tokenizer_init_container_fills_the_path_the_config_names(tmp_path: Path) -> None:
+    config = configmap_file(tmp_path)
+    wanted = {RouterSettings.load(config).tokenizer, KVStoreSettings.load(config).tokenizer}
+    assert wanted == {"/models/tokenizer"}
+    for name in ("switchyard-router", "switchyard-kvstore"):
+        pod = _deployments("base", "services-mode")[name]["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        script = init["args"][0]
+        compile(script, "fetch-tokenizer", "exec")
+        assert 'local_dir="/models/tokenizer"' in script
+        mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+        main = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert mounts["tokenizer"] == main["tokenizer"] == "/models"
+        assert {"name": "tokenizer", "emptyDir": {}} in pod["volumes"]
 
 
 def test_router_replicas_share_one_redis_service(tmp_path: Path) -> None:
@@ -558,7 +593,9 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
     mocks = [free_port(), free_port()]
     workers = [f"http://127.0.0.1:{p}" for p in mocks]
     with redis_server() as (redis_url, _), contextlib.ExitStack() as stack:
-        raw["router"].update(host="127.0.0.1", port=router_port, redis=redis_url)
+        # The mock engines' tokenizer stands where the init container puts the model's.
+        tok = str(TOKENIZER_DIR)
+        raw["router"].update(host="127.0.0.1", port=router_port, redis=redis_url, tokenizer=tok)
         raw["balancer"].update(
             host="127.0.0.1",
             port=balancer_port,
@@ -566,9 +603,7 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
             redis_url=redis_url,
             probe_interval=0.2,
         )
-        raw["kvstore"].update(
-            host="127.0.0.1", port=kvstore_port, redis=redis_url, tokenize_url=workers[0]
-        )
+        raw["kvstore"].update(host="127.0.0.1", port=kvstore_port, redis=redis_url, tokenizer=tok)
         config = tmp_path / "services.yaml"
         config.write_text(yaml.safe_dump(raw))
         for port in mocks:
@@ -584,8 +619,8 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
         args[args.index("--balancer") + 1] = f"http://127.0.0.1:{balancer_port}"
         args[args.index("--kvstore") + 1] = f"http://127.0.0.1:{kvstore_port}"
         router = stack.enter_context(Server(args, router_port, health_path="/ready"))
-        # A cold kvstore service's first lookup (first /tokenize call to the engine) can
-        # exceed the router's remote-lookup budget and route without prefix knowledge.
+        # A cold kvstore service's first lookup can exceed the router's remote-lookup
+        # budget and route without prefix knowledge.
         _chat_warm_up(router.url)
         cached = _chat_cached_tokens(router.url, 4)
     assert cached[0] == 0
