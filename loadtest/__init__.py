@@ -1,1 +1,1 @@
-"""loadtest."""
+"""Load tests: seeded workloads, an open-loop replay client, metrics, ceilings, comparisons."""
