@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import re
 import socket
@@ -134,8 +135,6 @@ def test_every_yaml_file_under_deploy_parses() -> None:
 
 
 def test_dashboard_is_valid_json_with_unique_panel_ids() -> None:
-    import json
-
     dash = json.loads(DASHBOARD.read_text())
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
