@@ -38,9 +38,11 @@ class RemoteFleet(Fleet):
         refresh_interval: float = 0.5,
         settings: BalancerSettings | None = None,
     ) -> None:
-        super().__init__(settings or BalancerSettings())
+        # Set before Fleet.__init__, which adds the settings' static workers through
+        # this class's add() (queued to the service until start()).
+        settings = settings or BalancerSettings()
         self.base_url = base_url.rstrip("/")
-        self.admin_key = admin_key or self.settings.admin_key
+        self.admin_key = admin_key or settings.admin_key
         self.refresh_interval = refresh_interval
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
@@ -49,6 +51,7 @@ class RemoteFleet(Fleet):
         self._reports: dict[str, asyncio.Task[None] | None] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._queued: list[Call] = []
+        super().__init__(settings)
 
     async def start(self) -> None:
         if self._http is not None:
