@@ -87,9 +87,19 @@ def _ms(text: str) -> float:
 def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
     threads = max(1, min(2, connections))
     out = subprocess.run(
-        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(lua),
-         url + "/v1/completions"],
-        capture_output=True, text=True, check=True,
+        [
+            "wrk",
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{duration}s",
+            "--latency",
+            "-s",
+            str(lua),
+            url + "/v1/completions",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     rps_m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     p50_m = re.search(r"^\s+50%\s+([\d.]+\w+)", out, re.M)
@@ -107,8 +117,9 @@ def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
 
 @contextmanager
 def process(argv: list[str], health: str, env: dict[str, str] | None = None) -> Iterator[None]:
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+    )
     try:
         wait_http(health, timeout=30, proc=proc)
         yield
@@ -129,8 +140,9 @@ async def sse_rate(url: str, streams: int, duration: float) -> float:
     async def one(session: aiohttp.ClientSession) -> None:
         nonlocal count
         while time.monotonic() < deadline:
-            async with session.post(url + "/v1/completions", data=body,
-                                    headers={"Content-Type": "application/json"}) as resp:
+            async with session.post(
+                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
                 async for chunk in resp.content.iter_any():
                     count += chunk.count(b"data:")
                     if time.monotonic() >= deadline:
@@ -162,42 +174,76 @@ def main() -> None:
         lua.write_text(WRK_LUA)
         nginx_port = free_port()
         conf = tmpdir / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(dir=tmpdir, port=nginx_port, answer=ANSWER,
-                                          models=MODELS))
+        conf.write_text(
+            NGINX_CONF.format(dir=tmpdir, port=nginx_port, answer=ANSWER, models=MODELS)
+        )
         backend = f"http://127.0.0.1:{nginx_port}"
-        stack.enter_context(process(["nginx", "-c", str(conf), "-p", str(tmpdir)],
-                                    backend + "/health"))
+        stack.enter_context(
+            process(["nginx", "-c", str(conf), "-p", str(tmpdir)], backend + "/health")
+        )
         targets = {"direct": backend}
         sy_port = free_port()
-        stack.enter_context(process(
-            [sys.executable, "-m", "switchyard", "router", "--worker", backend,
-             "--port", str(sy_port), "--policy", args.policy],
-            f"http://127.0.0.1:{sy_port}/ready"))
+        stack.enter_context(
+            process(
+                [
+                    sys.executable,
+                    "-m",
+                    "switchyard",
+                    "router",
+                    "--worker",
+                    backend,
+                    "--port",
+                    str(sy_port),
+                    "--policy",
+                    args.policy,
+                ],
+                f"http://127.0.0.1:{sy_port}/ready",
+            )
+        )
         targets["switchyard"] = f"http://127.0.0.1:{sy_port}"
         if smg:
             smg_port = free_port()
-            stack.enter_context(process(
-                [smg, "launch", "--worker-urls", backend, "--policy", "round_robin",
-                 "--host", "127.0.0.1", "--port", str(smg_port), "--log-level", "error",
-                 "--prometheus-port", str(free_port())],
-                f"http://127.0.0.1:{smg_port}/health"))
+            stack.enter_context(
+                process(
+                    [
+                        smg,
+                        "launch",
+                        "--worker-urls",
+                        backend,
+                        "--policy",
+                        "round_robin",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(smg_port),
+                        "--log-level",
+                        "error",
+                        "--prometheus-port",
+                        str(free_port()),
+                    ],
+                    f"http://127.0.0.1:{smg_port}/health",
+                )
+            )
             targets["smg"] = f"http://127.0.0.1:{smg_port}"
         for url in targets.values():
-            httpx.post(url + "/v1/completions", content=BODY,
-                       headers={"Content-Type": "application/json"}).raise_for_status()
+            httpx.post(
+                url + "/v1/completions", content=BODY, headers={"Content-Type": "application/json"}
+            ).raise_for_status()
 
         names = list(targets)
         loaded: dict[str, list[WrkResult]] = {n: [] for n in names}
         single: dict[str, list[WrkResult]] = {n: [] for n in names}
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
+            order = names[r % len(names) :] + names[: r % len(names)]
             print(f"round {r + 1}/{args.rounds}: {' -> '.join(order)}", flush=True)
             for name in order:
                 loaded[name].append(run_wrk(targets[name], args.connections, args.duration, lua))
                 single[name].append(run_wrk(targets[name], 1, max(3, args.duration // 2), lua))
 
-        print(f"\nnon-stream, {args.connections} connections, {args.duration}s x {args.rounds} "
-              "rounds (medians):")
+        print(
+            f"\nnon-stream, {args.connections} connections, {args.duration}s x {args.rounds} "
+            "rounds (medians):"
+        )
         print(f"{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'1-conn p50 ms':>15}")
         med = {}
         for name in names:
@@ -216,22 +262,40 @@ def main() -> None:
     with ExitStack() as stack:
         sse_port = free_port()
         sse = f"http://127.0.0.1:{sse_port}"
-        stack.enter_context(process(
-            [sys.executable, str(REPO / "bench" / "sse_backend.py"), str(sse_port), "2000"],
-            sse + "/v1/models"))
+        stack.enter_context(
+            process(
+                [sys.executable, str(REPO / "bench" / "sse_backend.py"), str(sse_port), "2000"],
+                sse + "/v1/models",
+            )
+        )
         sy_port = free_port()
-        stack.enter_context(process(
-            [sys.executable, "-m", "switchyard", "router", "--worker", sse,
-             "--port", str(sy_port)], f"http://127.0.0.1:{sy_port}/ready"))
+        stack.enter_context(
+            process(
+                [
+                    sys.executable,
+                    "-m",
+                    "switchyard",
+                    "router",
+                    "--worker",
+                    sse,
+                    "--port",
+                    str(sy_port),
+                ],
+                f"http://127.0.0.1:{sy_port}/ready",
+            )
+        )
         rates: dict[str, list[float]] = {"direct": [], "switchyard": []}
         urls = {"direct": sse, "switchyard": f"http://127.0.0.1:{sy_port}"}
         for r in range(args.rounds):
-            for name in (["direct", "switchyard"] if r % 2 == 0 else ["switchyard", "direct"]):
-                rates[name].append(asyncio.run(sse_rate(urls[name], args.sse_streams,
-                                                        args.duration / 2)))
+            for name in ["direct", "switchyard"] if r % 2 == 0 else ["switchyard", "direct"]:
+                rates[name].append(
+                    asyncio.run(sse_rate(urls[name], args.sse_streams, args.duration / 2))
+                )
         d, s = statistics.median(rates["direct"]), statistics.median(rates["switchyard"])
-        print(f"\nSSE relay, {args.sse_streams} streams: direct {d:,.0f} events/s, "
-              f"switchyard {s:,.0f} events/s ({s / d:.2f}x direct)")
+        print(
+            f"\nSSE relay, {args.sse_streams} streams: direct {d:,.0f} events/s, "
+            f"switchyard {s:,.0f} events/s ({s / d:.2f}x direct)"
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ class Handler(asyncio.Protocol):
     async def stream(self) -> None:
         t = self.transport
         t.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
         )
         chunk = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
         for _ in range(self.events):
