@@ -9,7 +9,8 @@ step lasts as long as the slowest rank's step. Requests are placed by the balanc
 with a skewed mix of prompt and output lengths, closed loop at a fixed concurrency.
 By default the ranks are a P/D decode instance (prompts arrive prefilled, KV pulled), the
 case DP balancing is about; the fleet gets the engine's per-rank metrics once per
-simulated second, as a scrape would, and no per-token progress from the router.
+simulated second, as a scrape would, and output progress every 16 tokens, as the router
+reports stream progress every 16 chunks (``--progress 0``: a router that does not).
 
 Reported per policy:
   rank load   = a rank's step work (its step time minus the fixed per-step cost);
@@ -17,7 +18,16 @@ Reported per policy:
   step time   = the lockstep step (max over ranks), mean in ms
   throughput  = output tokens per simulated second while the workload is being admitted
 
-Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 256] [--requests 3000] [--seed 1]
+``--clairvoyant`` adds a reference row that no router can run: greedy placement that knows
+every in-flight request's exact remaining output and the new request's output length, and
+picks the rank minimising the lockstep work (the largest rank's load) summed over the next
+256 steps. It bounds what better prediction alone can buy a one-request-at-a-time choice.
+
+Each concurrency is one scenario; the summary says for each whether the issue's target
+holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
+
+Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
+                                 [--seed 1] [--clairvoyant]
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from balancer import BalancerSettings, Fleet, Outcome, Ticket, WorkerSpec
 from balancer.scrape import Scrape
 from balancer.worker import EngineSample
@@ -36,6 +48,10 @@ from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore, Seq
 
 POLICIES = ("round_robin", "least_requests", "minimum_tokens", "step_balanced")
+CLAIRVOYANT = "clairvoyant"
+TARGET_RATIO = 1.15  # step_balanced must stay at or under this...
+RR_BAD_RATIO = 1.5  # ...where round_robin exceeds this (issue 5)
+HORIZON_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,40 @@ def workload(n: int, seed: int) -> list[Job]:
         else:
             jobs.append(Job(rng.randint(128, 1024), rng.randint(1024, 4096)))
     return jobs
+
+
+class Clairvoyant:
+    """The reference row: greedy rank choice with perfect knowledge of every output length."""
+
+    def __init__(self, cores: list[EngineCore], config: EngineConfig) -> None:
+        self.cores = cores
+        self.seq_us = config.decode_token_us
+        self.token_us = config.context_token_us
+        self.steps = np.arange(HORIZON_STEPS, dtype=np.float64)
+
+    def trajectory(self, context: np.ndarray, remaining: np.ndarray) -> np.ndarray:
+        """A set of sequences' summed step work over the next steps (each ends on its own)."""
+        alive = self.steps[None, :] < remaining[:, None]
+        work = self.seq_us + self.token_us * (context[:, None] + self.steps[None, :])
+        return np.where(alive, work, 0.0).sum(axis=0)
+
+    def choose(self, job: Job) -> int:
+        loads = []
+        for core in self.cores:
+            seqs = [*core.running, *core.waiting]
+            context = np.array([len(q.tokens) for q in seqs], dtype=np.float64)
+            remaining = np.array([q.max_tokens - q.num_generated for q in seqs], dtype=np.float64)
+            loads.append(self.trajectory(context, remaining))
+        ranks = np.array(loads)
+        new = self.trajectory(np.array([float(job.prompt)]), np.array([float(job.output)]))
+        best, best_score = 0, (float("inf"), float("inf"))
+        for i in range(len(self.cores)):
+            ranks[i] += new
+            score = (float(ranks.max(axis=0).sum()), float(ranks[i].sum()))
+            ranks[i] -= new
+            if score < best_score:
+                best, best_score = i, score
+        return best
 
 
 @dataclass
@@ -85,7 +135,8 @@ def run(
     config = EngineConfig(enable_prefix_caching=False, seed=seed, **timing)
     cores = [EngineCore(config, rank) for rank in range(ranks)]
     base = config.step_base_us * 1e-6
-    fleet = Fleet(BalancerSettings(dp_policy=policy))
+    seer = Clairvoyant(cores, config) if policy == CLAIRVOYANT else None
+    fleet = Fleet(BalancerSettings(dp_policy="round_robin" if seer else policy))
     worker = fleet.add(WorkerSpec.parse(f"http://sim.invalid:8000;dp={ranks};models=m"))
     tickets: dict[str, Ticket] = {}
     rng = random.Random(seed)
@@ -99,8 +150,11 @@ def run(
             admitting = False
             return False
         i, job = item
-        rank = fleet.choose_rank(worker, prompt_tokens=job.prompt)
-        rank = 0 if rank is None else rank
+        if seer is not None:
+            rank = seer.choose(job)
+        else:
+            chosen = fleet.choose_rank(worker, prompt_tokens=job.prompt)
+            rank = 0 if chosen is None else chosen
         request_id = f"r{i}"
         tickets[request_id] = fleet.begin(worker, prompt_tokens=job.prompt, dp_rank=rank)
         tokens = [rng.randrange(1, 30000) for _ in range(job.prompt)]
@@ -197,10 +251,81 @@ def windows(ratios: list[tuple[float, float]], n: int) -> list[float]:
     return [s / w if w else 0.0 for s, w in zip(sums, weights, strict=True)]
 
 
+def verdict(results: dict[str, Result]) -> str:
+    """Whether this scenario shows the issue's target, and if not, which part fails."""
+    rr, sb = results.get("round_robin"), results.get("step_balanced")
+    if rr is None or sb is None:
+        return "not judged (needs round_robin and step_balanced)"
+    misses = []
+    if rr.ratio_mean <= RR_BAD_RATIO:
+        misses.append(f"round_robin {rr.ratio_mean:.3f} does not exceed {RR_BAD_RATIO}")
+    if sb.ratio_mean > TARGET_RATIO:
+        misses.append(f"step_balanced {sb.ratio_mean:.3f} > {TARGET_RATIO}")
+    if sb.throughput <= rr.throughput:
+        misses.append("step_balanced has no more tok/s than round_robin")
+    if misses:
+        return "NOT MET: " + "; ".join(misses)
+    return (
+        f"HOLDS: step_balanced {sb.ratio_mean:.3f} <= {TARGET_RATIO}, round_robin "
+        f"{rr.ratio_mean:.3f} > {RR_BAD_RATIO}, tok/s x{sb.throughput / rr.throughput:.3f}"
+    )
+
+
+def scenario(args: argparse.Namespace, concurrency: int, timing: dict[str, float]) -> str:
+    """Run every policy at one concurrency, print its table, return its verdict."""
+    jobs = workload(args.requests, args.seed)
+    print(
+        f"\nranks={args.ranks} concurrency={concurrency} requests={args.requests} "
+        f"seed={args.seed} mode={args.mode} progress={args.progress} "
+        f"scrape_ms={args.scrape_ms:g} timing={timing or 'BLIS'} "
+        "(lockstep DP, mock engine core)"
+    )
+    header = (
+        f"{'policy':<16}{'max/mean load':>15}{'p95':>8}{'step ms':>10}"
+        f"{'tok/s':>10}{'vs rr':>8}{'wall s':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    policies = [*args.policies, *([CLAIRVOYANT] if args.clairvoyant else [])]
+    results: dict[str, Result] = {}
+    for policy in policies:
+        r = run(
+            policy,
+            jobs,
+            args.ranks,
+            concurrency,
+            args.seed,
+            args.mode == "decode",
+            args.progress,
+            timing,
+            args.scrape_ms,
+        )
+        results[policy] = r
+        baseline = next(iter(results.values())).throughput
+        print(
+            f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>10.2f}"
+            f"{r.throughput:>10.0f}{r.throughput / baseline:>8.3f}{r.wall:>8.1f}"
+        )
+    print("max/mean rank load over time (10 equal slices of the admission period)")
+    for policy, r in results.items():
+        print(f"{policy:<16}" + " ".join(f"{x:5.2f}" for x in r.timeline))
+    line = f"concurrency {concurrency:>4}: " + verdict(results)
+    if CLAIRVOYANT in results:
+        line += f" [clairvoyant {results[CLAIRVOYANT].ratio_mean:.3f}]"
+    print("target: " + line)
+    return line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64, 96, 128, 256],
+        help="one scenario per value (closed-loop requests in flight)",
+    )
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -213,9 +338,9 @@ def main() -> None:
     parser.add_argument(
         "--progress",
         type=int,
-        default=0,
-        help="report output progress to the fleet every N tokens (0: never, as a router "
-        "that does not count stream chunks)",
+        default=16,
+        help="report output progress to the fleet every N tokens (16: as the router does; "
+        "0: never, as a router that does not count stream chunks)",
     )
     parser.add_argument(
         "--step-base-us",
@@ -231,6 +356,11 @@ def main() -> None:
         help="feed the fleet the engine's per-rank metrics every N simulated ms (0: never)",
     )
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument(
+        "--clairvoyant",
+        action="store_true",
+        help="add the perfect-foresight reference row (knows every output length)",
+    )
     args = parser.parse_args()
     timing = {
         k: v
@@ -240,42 +370,13 @@ def main() -> None:
         )
         if v is not None
     }
-    jobs = workload(args.requests, args.seed)
+    lines = [scenario(args, concurrency, timing) for concurrency in args.concurrency]
     print(
-        f"ranks={args.ranks} concurrency={args.concurrency} requests={args.requests} "
-        f"seed={args.seed} mode={args.mode} progress={args.progress} "
-        f"scrape_ms={args.scrape_ms:g} timing={timing or 'BLIS'} "
-        "(lockstep DP, mock engine core)"
+        f"\nsummary: target = step_balanced max/mean <= {TARGET_RATIO} where round_robin "
+        f"> {RR_BAD_RATIO}, with more tok/s"
     )
-    header = (
-        f"{'policy':<16}{'max/mean load':>15}{'p95':>8}{'step ms':>10}"
-        f"{'tok/s':>10}{'vs rr':>8}{'wall s':>8}"
-    )
-    print(header)
-    print("-" * len(header))
-    baseline = None
-    timelines = []
-    for policy in args.policies:
-        r = run(
-            policy,
-            jobs,
-            args.ranks,
-            args.concurrency,
-            args.seed,
-            args.mode == "decode",
-            args.progress,
-            timing,
-            args.scrape_ms,
-        )
-        baseline = baseline or r.throughput
-        print(
-            f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>10.2f}"
-            f"{r.throughput:>10.0f}{r.throughput / baseline:>8.3f}{r.wall:>8.1f}"
-        )
-        timelines.append((r.policy, r.timeline))
-    print("\nmax/mean rank load over time (10 equal slices of the admission period)")
-    for policy, line in timelines:
-        print(f"{policy:<16}" + " ".join(f"{x:5.2f}" for x in line))
+    for line in lines:
+        print("  " + line)
 
 
 if __name__ == "__main__":
