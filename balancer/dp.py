@@ -4,6 +4,8 @@ In wide expert-parallel serving every rank's step waits for the slowest rank, so
 ``step_balanced`` places a request where the *largest* per-step cost after
 placement is smallest, using a linear step-time model: a cost per running
 sequence, per context token attended, and per prefill token in the step budget.
+A decode instance of a P/D pair computes no prefill: its prompts arrive as pulled KV,
+context from the start, so their prefill term is left out there.
 """
 
 from __future__ import annotations
@@ -48,16 +50,21 @@ def minimum_tokens(ranks: Sequence[RankCounters]) -> int:
     return min(range(len(ranks)), key=lambda i: (rank_tokens(ranks[i]), rank_requests(ranks[i])))
 
 
-def step_balanced(s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tokens: int) -> int:
-    """Minimise max-over-ranks step cost after placing the request; ties go to the cheaper rank."""
-    budget = s.step_token_budget
+def step_balanced(
+    s: BalancerSettings, ranks: Sequence[RankCounters], prompt_tokens: int, *, prefill: bool = True
+) -> int:
+    """Minimise max-over-ranks step cost after placing the request; ties go to the cheaper rank.
+
+    ``prefill=False`` for a decode instance: prompt tokens count as context only.
+    """
+    budget = s.step_token_budget if prefill else 0  # a decode instance queues no prefill
     added = s.step_seq_cost + s.step_context_token_cost * prompt_tokens
     costs: list[float] = []
     afters: list[float] = []
     for r in ranks:
-        prefill = r.prefill_tokens + r.remote_prefill_tokens
-        cost = step_cost(s, rank_requests(r), rank_tokens(r) + r.hidden_tokens, prefill)
-        grown = min(prefill + prompt_tokens, budget) - min(prefill, budget)
+        queued = min(r.prefill_tokens + r.remote_prefill_tokens, budget)
+        cost = step_cost(s, rank_requests(r), rank_tokens(r) + r.hidden_tokens, queued)
+        grown = min(queued + prompt_tokens, budget) - queued
         costs.append(cost)
         afters.append(cost + added + s.step_prefill_token_cost * grown)
     top = second = float("-inf")

@@ -288,7 +288,8 @@ class Fleet:
             return None
         policy = self.settings.dp_policy
         if policy == "step_balanced":
-            return dp.step_balanced(self.settings, worker.ranks, prompt_tokens)
+            prefill = worker.role is not Role.DECODE
+            return dp.step_balanced(self.settings, worker.ranks, prompt_tokens, prefill=prefill)
         if policy == "minimum_tokens":
             return dp.minimum_tokens(worker.ranks)
         if policy == "least_requests":

@@ -137,7 +137,8 @@ def run(
     base = config.step_base_us * 1e-6
     seer = Clairvoyant(cores, config) if policy == CLAIRVOYANT else None
     fleet = Fleet(BalancerSettings(dp_policy="round_robin" if seer else policy))
-    worker = fleet.add(WorkerSpec.parse(f"http://sim.invalid:8000;dp={ranks};models=m"))
+    role = "decode" if decode else "unified"
+    worker = fleet.add(WorkerSpec.parse(f"http://sim.invalid:8000;dp={ranks};role={role};models=m"))
     tickets: dict[str, Ticket] = {}
     rng = random.Random(seed)
     queue = iter(enumerate(jobs))
