@@ -23,7 +23,7 @@ every in-flight request's exact remaining output and the new request's output le
 picks the rank minimising the lockstep work (the largest rank's load) summed over the next
 256 steps. It bounds what better prediction alone can buy a one-request-at-a-time choice.
 
-Each concurrency is one scenario; the summary says for each whether the issue's target
+Each concurrency (and seed) is one scenario; the summary says for each whether the issue's target
 holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
@@ -272,12 +272,14 @@ def verdict(results: dict[str, Result]) -> str:
     )
 
 
-def scenario(args: argparse.Namespace, concurrency: int, timing: dict[str, float]) -> str:
-    """Run every policy at one concurrency, print its table, return its verdict."""
-    jobs = workload(args.requests, args.seed)
+def scenario(
+    args: argparse.Namespace, concurrency: int, seed: int, timing: dict[str, float]
+) -> str:
+    """Run every policy at one concurrency and seed, print its table, return its verdict."""
+    jobs = workload(args.requests, seed)
     print(
         f"\nranks={args.ranks} concurrency={concurrency} requests={args.requests} "
-        f"seed={args.seed} mode={args.mode} progress={args.progress} "
+        f"seed={seed} mode={args.mode} progress={args.progress} "
         f"scrape_ms={args.scrape_ms:g} timing={timing or 'BLIS'} "
         "(lockstep DP, mock engine core)"
     )
@@ -295,7 +297,7 @@ def scenario(args: argparse.Namespace, concurrency: int, timing: dict[str, float
             jobs,
             args.ranks,
             concurrency,
-            args.seed,
+            seed,
             args.mode == "decode",
             args.progress,
             timing,
@@ -310,7 +312,7 @@ def scenario(args: argparse.Namespace, concurrency: int, timing: dict[str, float
     print("max/mean rank load over time (10 equal slices of the admission period)")
     for policy, r in results.items():
         print(f"{policy:<16}" + " ".join(f"{x:5.2f}" for x in r.timeline))
-    line = f"concurrency {concurrency:>4}: " + verdict(results)
+    line = f"concurrency {concurrency:>4} seed {seed}: " + verdict(results)
     if CLAIRVOYANT in results:
         line += f" [clairvoyant {results[CLAIRVOYANT].ratio_mean:.3f}]"
     print("target: " + line)
@@ -328,7 +330,9 @@ def main() -> None:
         help="one scenario per value (closed-loop requests in flight)",
     )
     parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seed", type=int, nargs="+", default=[1], help="one scenario per value and concurrency"
+    )
     parser.add_argument(
         "--mode",
         choices=("decode", "unified"),
@@ -371,7 +375,7 @@ def main() -> None:
         )
         if v is not None
     }
-    lines = [scenario(args, concurrency, timing) for concurrency in args.concurrency]
+    lines = [scenario(args, c, seed, timing) for c in args.concurrency for seed in args.seed]
     print(
         f"\nsummary: target = step_balanced max/mean <= {TARGET_RATIO} where round_robin "
         f"> {RR_BAD_RATIO}, with more tok/s"
