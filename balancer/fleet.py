@@ -220,20 +220,39 @@ class Fleet:
         ]
 
     def begin(
-        self, worker: Worker, *, prompt_tokens: int = 0, dp_rank: int | None = None
+        self,
+        worker: Worker,
+        *,
+        prompt_tokens: int = 0,
+        dp_rank: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> Ticket:
+        """Count a request in flight; ``prefill_tokens`` is the part the engine must compute.
+
+        A prompt the engine mostly holds in its prefix cache queues little prefill work
+        but still adds its whole length to the decode context; without a cache estimate
+        both are ``prompt_tokens``.
+        """
+        queued = prompt_tokens if prefill_tokens is None else prefill_tokens
         rank = dp_rank if dp_rank is not None and 0 <= dp_rank < len(worker.ranks) else 0
         trial = worker.breaker.on_begin()
         counters = worker.ranks[rank]
         counters.inflight += 1
-        counters.prefill_tokens += prompt_tokens
+        counters.prefill_tokens += queued
         totals = worker.totals
         totals.inflight += 1
-        totals.prefill_tokens += prompt_tokens
+        totals.prefill_tokens += queued
         worker.inflight += 1
         worker.local_inflight += 1
         worker.sent_since_scrape += 1
-        return Ticket(worker, rank, prompt_tokens, trial=trial, id=f"t{next(self._ticket_ids)}")
+        return Ticket(
+            worker,
+            rank,
+            prompt_tokens,
+            trial=trial,
+            id=f"t{next(self._ticket_ids)}",
+            prefill_tokens=queued,
+        )
 
     def first_token(self, ticket: Ticket) -> None:
         if ticket.decoding or ticket.done:
@@ -244,7 +263,7 @@ class Fleet:
         for counters in (_rank_counters(ticket), worker.totals):
             if counters is None:
                 continue
-            counters.prefill_tokens -= n
+            counters.prefill_tokens -= ticket.prefill_tokens
             counters.decode_seqs += 1
             counters.decode_tokens += n
 
@@ -276,7 +295,7 @@ class Fleet:
                 counters.decode_seqs -= 1
                 counters.decode_tokens -= ticket.prompt_tokens + ticket.generated
             else:
-                counters.prefill_tokens -= ticket.prompt_tokens
+                counters.prefill_tokens -= ticket.prefill_tokens
         worker.inflight -= 1
         worker.local_inflight -= 1
         self._record_outcome(worker, ticket.trial, Outcome(outcome))

@@ -175,9 +175,16 @@ class RemoteFleet(Fleet):
         return task
 
     def begin(
-        self, worker: Worker, *, prompt_tokens: int = 0, dp_rank: int | None = None
+        self,
+        worker: Worker,
+        *,
+        prompt_tokens: int = 0,
+        dp_rank: int | None = None,
+        prefill_tokens: int | None = None,
     ) -> Ticket:
-        ticket = super().begin(worker, prompt_tokens=prompt_tokens, dp_rank=dp_rank)
+        ticket = super().begin(
+            worker, prompt_tokens=prompt_tokens, dp_rank=dp_rank, prefill_tokens=prefill_tokens
+        )
         ticket.id = f"{self._prefix}-{next(self._ids)}"
         body = {
             "worker_id": worker.id,

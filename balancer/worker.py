@@ -354,3 +354,4 @@ class Ticket:
     done: bool = False
     id: str = ""
     started: float = field(default_factory=time.monotonic)
+    prefill_tokens: int = 0  # of prompt_tokens, those the engine must compute

@@ -274,12 +274,13 @@ class RouterApp:
         m.child(m.decision_reasons, policy, reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s -> %s (%s, matched %.0f of %d tokens)",
+                "%s -> %s (%s, matched %.0f of %d tokens; cached blocks %s)",
                 ctx.request_id,
                 first.id,
                 reason,
                 ctx.matched.get(first.id, 0.0),
                 ctx.prompt_tokens,
+                ctx.cached_blocks,
             )
 
     async def _read_body(self, receive: Receive, content_length: int | None) -> bytes:

@@ -85,7 +85,12 @@ class Forwarder:
             )
             if self.kv is not None:
                 await self.kv.placed(ctx, worker, rank)
-            ticket = self.fleet.begin(worker, prompt_tokens=ctx.prompt_tokens, dp_rank=rank)
+            ticket = self.fleet.begin(
+                worker,
+                prompt_tokens=ctx.prompt_tokens,
+                dp_rank=rank,
+                prefill_tokens=ctx.uncached(worker.id) if ctx.prefix is not None else None,
+            )
             outcome = Outcome.CLIENT_ABORT
             try:
                 try:

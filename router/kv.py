@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from balancer.worker import Worker
     from kvstore.remote import RemoteKVStore
     from router.metrics import RouterMetrics
+
+OCCUPANCY_TTL_S = 0.1
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -51,6 +54,8 @@ class KVAwareness:
         self.speculative_ttl_s = speculative_ttl_s
         self.follower: FleetFollower | None = None
         self._pending: set[asyncio.Task[None]] = set()
+        self._occupancy: dict[str, int] = {}
+        self._occupancy_at = -1.0
         if isinstance(store, KVStore):
             self.follower = FleetFollower(store)
             fleet.subscribe(self.follower)
@@ -114,6 +119,19 @@ class KVAwareness:
         if result.degraded:
             self.degraded.inc()
         ctx.set_prefix(result)
+        ctx.cached_blocks = await self.occupancy()
+
+    async def occupancy(self) -> dict[str, int]:
+        """Blocks each instance holds, from a snapshot at most ``OCCUPANCY_TTL_S`` old."""
+        now = time.monotonic()
+        if now - self._occupancy_at > OCCUPANCY_TTL_S:
+            self._occupancy_at = now
+            counts: dict[str, int] = {}
+            for info in await self.store.locations():
+                instance = info.location.instance
+                counts[instance] = counts.get(instance, 0) + info.blocks
+            self._occupancy = counts
+        return self._occupancy
 
     async def placed(self, ctx: Context, worker: Worker, rank: int | None) -> None:
         """Record an estimated placement where the engine publishes no events."""

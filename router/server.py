@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 from pathlib import Path
 
 import uvicorn
@@ -71,6 +72,9 @@ def build_app(settings: RouterSettings, config_file: str | Path | None = None) -
 
 
 def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app = build_app(settings, config_file)
     # The data path allocates few long-lived objects: move start-up objects out of the
     # collector's view and collect young ones less often. Measured with wrk at 32

@@ -23,7 +23,8 @@ class Context:
 
     ``matched`` maps a worker id to the prompt tokens it already holds (best rank,
     tier-weighted), from the KV store's lookup; empty when the policy needs none
-    or the store had no information.
+    or the store had no information. ``cached_blocks`` is how much each worker
+    holds in all (a recent snapshot), so new prefixes can go where they evict least.
     """
 
     model: str | None
@@ -34,7 +35,12 @@ class Context:
     prefix: LookupResult | None = None
     matched: dict[str, float] = field(default_factory=dict)
     matched_rank: dict[str, int] = field(default_factory=dict)
+    cached_blocks: dict[str, int] = field(default_factory=dict)
     reason: str = ""
+
+    def uncached(self, worker_id: str) -> int:
+        """Prompt tokens this worker would have to prefill."""
+        return max(self.prompt_tokens - int(self.matched.get(worker_id, 0.0)), 0)
 
     def set_prefix(self, prefix: LookupResult) -> None:
         self.prefix = prefix

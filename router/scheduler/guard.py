@@ -5,6 +5,8 @@ every request goes there, its queue grows, its cache churns (the cache-aware
 "death spiral" the peers' users report). The guard demotes any worker that would
 go above (1 + epsilon) x the mean in-flight load (plus a small absolute slack so
 light traffic keeps its affinity) while some candidate stays within the bound.
+The defaults (0.5, 4) held the multi-turn demo workload at the hit-rate ceiling
+(0.879 of 0.885) where (0.25, 2) gave 0.858 and no guard 0.82 with 3.3x spread.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class BoundedLoadGuard:
-    def __init__(self, epsilon: float = 0.25, slack: float = 2.0) -> None:
+    def __init__(self, epsilon: float = 0.5, slack: float = 4.0) -> None:
         if epsilon < 0 or slack < 0:
             raise ValueError("guard epsilon and slack must be >= 0")
         self.epsilon = epsilon

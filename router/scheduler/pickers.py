@@ -49,14 +49,36 @@ class RandomPicker:
 
 
 class MaxScorePicker:
+    """Highest score first; near-ties go to the least-busy, least-recently-picked worker.
+
+    Scores within ``tie_tolerance`` (relative) of the best count as a tie: the signals
+    behind them are estimates, and breaking such ties by noise (or at random) lets one
+    worker win run after run. Rotating among tied workers spreads them evenly.
+    """
+
     name = "max_score"
     uses_prefix = False
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, tie_tolerance: float = 0.0) -> None:
+        self.tie_tolerance = tie_tolerance
+        self._picks = itertools.count(1)
+        self._last: dict[str, int] = {}
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
-        return _by_score(workers, scores, self._rng)
+        floor = max(scores) * (1.0 - self.tie_tolerance)
+        last = self._last
+        keyed = sorted(
+            range(len(workers)),
+            key=lambda i: (
+                scores[i] < floor,
+                0.0 if scores[i] >= floor else -scores[i],
+                workers[i].inflight,
+                last.get(workers[i].id, 0),
+            ),
+        )
+        first = workers[keyed[0]]
+        last[first.id] = next(self._picks)
+        return [workers[i] for i in keyed]
 
 
 class PowerOfTwoPicker:

@@ -36,7 +36,11 @@ from router.scheduler.scorers import (
 SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
     "load": lambda _: InflightScorer(),
     "prefix_cache": lambda _: PrefixCacheScorer(),
-    "kv_aware": lambda o: KVAwareScorer(prefill_weight=float(o.get("prefill_weight", 1.0))),
+    "kv_aware": lambda o: KVAwareScorer(
+        prefill_weight=float(o.get("prefill_weight", 1.0)),
+        decode_weight=float(o.get("decode_weight", 0.25)),
+        occupancy_weight=float(o.get("occupancy_weight", 0.02)),
+    ),
     "kv_pressure": lambda _: KVPressureScorer(),
     "queue": lambda _: QueueScorer(),
     "session_affinity": lambda _: SessionAffinityScorer(),
@@ -45,7 +49,7 @@ SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
 PICKERS: dict[str, Callable[[dict[str, Any]], Picker]] = {
     "round_robin": lambda _: RoundRobinPicker(),
     "random": lambda o: RandomPicker(o.get("seed")),
-    "max_score": lambda o: MaxScorePicker(o.get("seed")),
+    "max_score": lambda o: MaxScorePicker(float(o.get("tie_tolerance", 0.0))),
     "power_of_two": lambda o: PowerOfTwoPicker(o.get("seed")),
     "consistent_hash": lambda o: ConsistentHashPicker(
         load_factor=float(o.get("load_factor", 1.25)), seed=o.get("seed")
@@ -75,6 +79,10 @@ NAMED: dict[str, tuple[dict[str, float], str, bool]] = {
 }
 
 
+# kv_aware's costs are estimates: within 2% is a tie, rotated rather than decided by noise.
+PICKER_DEFAULTS: dict[str, dict[str, Any]] = {"kv_aware": {"tie_tolerance": 0.02}}
+
+
 def policy_names() -> list[str]:
     return [*NAMED, "custom"]
 
@@ -88,7 +96,7 @@ def build_scheduler(policy: str, options: dict[str, Any] | None = None) -> Sched
         guard_default = False
     elif policy in NAMED:
         weights, picker_name, guard_default = NAMED[policy]
-        picker_opts = options
+        picker_opts = {**PICKER_DEFAULTS.get(policy, {}), **options}
     else:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(policy_names())}")
     for name in weights:
@@ -117,6 +125,6 @@ def _guard(option: Any) -> BoundedLoadGuard | None:
         return BoundedLoadGuard()
     if isinstance(option, dict):
         return BoundedLoadGuard(
-            epsilon=float(option.get("epsilon", 0.25)), slack=float(option.get("slack", 2.0))
+            epsilon=float(option.get("epsilon", 0.5)), slack=float(option.get("slack", 4.0))
         )
     raise ValueError(f"guard must be true, false or a mapping, not {option!r}")

@@ -112,7 +112,7 @@ def test_weighted_scorers_are_averaged() -> None:
     workers = fleet(0, 0)
     scheduler = Scheduler(
         policy="test",
-        picker=MaxScorePicker(seed=1),
+        picker=MaxScorePicker(),
         scorers=[(Prefers("http://w0"), 1.0), (Prefers("http://w1"), 3.0)],
     )
     assert scheduler.combined_scores(Context(model="m"), workers) == [0.25, 0.75]
