@@ -261,6 +261,7 @@ async def test_kubernetes_watch_resumes_after_the_server_ends_it(
         await eventually(lambda: kube.watches >= 2, timeout=10)
         await kube.put("engine-0", pod("engine-0", e1.port))
         await eventually(lambda: fleet.get(e1.url) is not None)
+        assert kube.watches >= 2 and fleet.get(e1.url) is not None
     finally:
         await fleet.stop()
 

@@ -90,6 +90,7 @@ async def test_published_events_update_the_index(store: KVStore, encoding: str) 
         await eventually(one_block)
         pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))
         await eventually(lambda: _zero(store, TOKENS))
+        assert await matched(store) == 0
     finally:
         pub.close()
 

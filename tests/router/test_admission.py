@@ -40,6 +40,7 @@ async def test_admits_when_one_candidate_meets_the_objective() -> None:
     ctx = Context(model="m", prompt_tokens=100)
     busy = FakeWorker("a", state=FakeLoad(prefill_tokens=100_000))
     await admission.admit(ctx, [busy, FakeWorker("b")], objective_s=0.5)
+    assert admission.decisions.labels("admitted", "normal")._value.get() == 1
 
 
 async def test_rejects_with_429_when_none_can() -> None:
