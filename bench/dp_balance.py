@@ -21,13 +21,14 @@ Reported per policy:
 ``--clairvoyant`` adds a reference row that no router can run: greedy placement that knows
 every in-flight request's exact remaining output and the new request's output length, and
 picks the rank minimising the lockstep work (the largest rank's load) summed over the next
-256 steps. It bounds what better prediction alone can buy a one-request-at-a-time choice.
+256 steps. It shows what exact foresight of decode work buys a greedy one-request-at-a-time
+choice.
 
-Each concurrency (and seed) is one scenario; the summary says for each whether the issue's target
-holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
+Each concurrency and seed is one scenario; the summary says for each whether the issue's
+target holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
-                                 [--seed 1] [--clairvoyant]
+                                 [--seed 1 2 3] [--clairvoyant] [--mode decode|unified]
 """
 
 from __future__ import annotations
