@@ -9,10 +9,24 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-class RouterMetrics:
+class LabelCache:
+    """Labelled children, cached: ``labels()`` takes a lock and builds a key every call."""
+
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
+
+class RouterMetrics(LabelCache):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "switchyard_router_requests",
@@ -57,11 +71,3 @@ class RouterMetrics:
             "Client disconnects that aborted the upstream request.",
             registry=r,
         )
-
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        """A labelled child, cached: ``labels()`` takes a lock and builds a key every call."""
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found

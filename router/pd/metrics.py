@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -11,6 +10,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from balancer.fleet import Fleet
 from balancer.worker import Role
+from router.metrics import LabelCache
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -40,9 +40,9 @@ class _PoolLoad(Collector):
         yield workers
 
 
-class PDMetrics:
+class PDMetrics(LabelCache):
     def __init__(self, registry: CollectorRegistry, fleet: Fleet) -> None:
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        super().__init__()
         r = registry
         self.paths = Counter(
             "switchyard_router_pd_requests",
@@ -87,10 +87,3 @@ class PDMetrics:
             registry=r,
         )
         r.register(_PoolLoad(fleet))
-
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
