@@ -206,6 +206,21 @@ class RoutingTokenizer:
             return self._approx(_render_plain_chat(messages, add_generation_prompt))
         return self._encode_text(self.render_chat(messages, add_generation_prompt))
 
+    def encode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
+        """Tokens that certainly begin ``text``'s encoding, from about ``max_chars`` of it.
+
+        Cut at whitespace (the pre-tokenizer never joins across it) and drop the last two
+        tokens, so the head is a true prefix of the whole encoding; ``prompt`` adds the
+        specials a completion prompt starts with. None when no safe cut exists.
+        """
+        if self._tok is None or len(text) <= max_chars:
+            return None
+        cut = text.rfind(" ", 0, max_chars)
+        if cut <= 0:
+            return None
+        ids = self._tok.encode(text[:cut], add_special_tokens=False).ids[:-2]
+        return self._bos + ids if prompt else ids
+
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:

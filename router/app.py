@@ -80,7 +80,13 @@ class RouterApp:
         self.scheduler = scheduler
         self.metrics = RouterMetrics()
         self.kv = (
-            KVAwareness(kvstore, fleet, self.metrics, speculative_ttl_s=settings.speculative_ttl_s)
+            KVAwareness(
+                kvstore,
+                fleet,
+                self.metrics,
+                speculative_ttl_s=settings.speculative_ttl_s,
+                event_lag_ttl_s=settings.event_lag_ttl_s,
+            )
             if kvstore is not None
             else None
         )

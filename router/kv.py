@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
 from kvstore.registry import FleetFollower
-from kvstore.store import KVStore
+from kvstore.store import KVStore, LookupResult
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from router.metrics import RouterMetrics
 
 OCCUPANCY_TTL_S = 0.1
+PROBE_CHARS = 512
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -48,10 +50,12 @@ class KVAwareness:
         metrics: RouterMetrics,
         *,
         speculative_ttl_s: float,
+        event_lag_ttl_s: float = 2.0,
     ) -> None:
         self.store = store
         self.fleet = fleet
         self.speculative_ttl_s = speculative_ttl_s
+        self.event_lag_ttl_s = event_lag_ttl_s
         self.follower: FleetFollower | None = None
         self._pending: set[asyncio.Task[None]] = set()
         self._occupancy: dict[str, int] = {}
@@ -109,17 +113,45 @@ class KVAwareness:
             kwargs["prompt"] = prompt
         else:
             return
-        result = await self.store.lookup(
-            req.model,
-            candidates=[w.id for w in candidates],
-            lora_name=None,
-            cache_salt=data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None,
-            **kwargs,
-        )
-        if result.degraded:
-            self.degraded.inc()
-        ctx.set_prefix(result)
+        salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
+        ids = [w.id for w in candidates]
+        if not await self._probe_misses(ctx, req.model, kwargs, salt, ids):
+            result = await self.store.lookup(
+                req.model, candidates=ids, lora_name=None, cache_salt=salt, **kwargs
+            )
+            if result.degraded:
+                self.degraded.inc()
+            ctx.set_prefix(result)
         ctx.cached_blocks = await self.occupancy()
+
+    async def _probe_misses(
+        self, ctx: Context, model: str, kwargs: dict[str, Any], salt: str | None, ids: list[str]
+    ) -> bool:
+        """Look up a long prompt's head first; when nobody holds it, skip the rest.
+
+        Tokenizing a long prompt costs ~1.5 us per token here, on the request's path.
+        A prompt whose first blocks nobody holds can match nowhere (matches are
+        consecutive from block 0), so routing needs only its length: the full
+        tokenization moves off the path, into recording the placement.
+        """
+        store = self.store
+        if not isinstance(store, KVStore):
+            return False
+        tok = store.tokenizer_for(model)
+        messages, prompt = kwargs.get("messages"), kwargs.get("prompt")
+        text = tok.render_chat(messages) if messages is not None else prompt
+        if not tok.exact or not isinstance(text, str):
+            return False
+        head = tok.encode_head(text, PROBE_CHARS, prompt=messages is None)
+        if head is None or len(head) < store.block_size:
+            return False
+        matches, degraded = await store.lookup_keys(store.keys_for(head, None, salt), ids)
+        if matches or degraded:
+            return False
+        total = round(len(text) * len(head) / PROBE_CHARS)
+        ctx.set_prefix(LookupResult(store.block_size, total, [], [], exact=False))
+        ctx.deferred_keys = (model, kwargs, salt)
+        return True
 
     async def occupancy(self) -> dict[str, int]:
         """Blocks each instance holds, from a snapshot at most ``OCCUPANCY_TTL_S`` old."""
@@ -134,16 +166,36 @@ class KVAwareness:
         return self._occupancy
 
     async def placed(self, ctx: Context, worker: Worker, rank: int | None) -> None:
-        """Record an estimated placement where the engine publishes no events."""
-        if ctx.prefix is None or not ctx.prefix.keys or not self.estimating(worker):
+        """Record where the prompt is going, as a speculative entry.
+
+        Without events this is all the router knows (approximate mode, long TTL). With
+        events it bridges the moments until the engine's BlockStored arrives: a burst of
+        requests sharing a new prefix follows the first one instead of scattering
+        (events confirm the entry, or it expires after ``event_lag_ttl_s``).
+        """
+        ttl = self.speculative_ttl_s if self.estimating(worker) else self.event_lag_ttl_s
+        if ctx.deferred_keys is not None:
+            self._spawn(self._place_later(ctx.deferred_keys, worker.id, rank or 0, ttl))
             return
-        record = self.store.record_placement(
-            ctx.prefix.keys, worker.id, rank or 0, self.speculative_ttl_s
-        )
+        if ctx.prefix is None or not ctx.prefix.keys:
+            return
+        record = self.store.record_placement(ctx.prefix.keys, worker.id, rank or 0, ttl)
         if isinstance(self.store, KVStore):
             await record
             return
-        task = asyncio.get_running_loop().create_task(record)
+        self._spawn(record)
+
+    async def _place_later(
+        self, deferred: tuple[str, dict[str, Any], str | None], instance: str, rank: int, ttl: float
+    ) -> None:
+        model, kwargs, salt = deferred
+        assert isinstance(self.store, KVStore)
+        tokens, _ = await self.store.tokenize(model, **kwargs)
+        keys = self.store.keys_for(tokens, None, salt)
+        await self.store.record_placement(keys, instance, rank, ttl)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 

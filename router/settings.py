@@ -48,6 +48,7 @@ class RouterSettings(ServiceSettings):
     redis: str | None = Field(default=None, description="shared state for router replicas")
     block_size: int = 16
     speculative_ttl_s: float = 30.0
+    event_lag_ttl_s: float = 2.0  # placements bridge the wait for engines' KV events
 
     # SLO-aware admission (Mooncake-style early rejection).
     slo_ttft_ms: float | None = None

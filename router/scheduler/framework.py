@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from balancer.worker import Worker
@@ -37,6 +37,8 @@ class Context:
     matched_rank: dict[str, int] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)
     reason: str = ""
+    # (model, prompt-or-messages kwargs, cache salt) when full tokenization was deferred.
+    deferred_keys: tuple[str, dict[str, Any], str | None] | None = None
 
     def uncached(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to prefill."""
