@@ -126,7 +126,14 @@ class Forwarder:
                         break
                     try:
                         tail = await self._relay_response(
-                            req, resp, request_id, send, started, ticket, work_tokens
+                            req,
+                            resp,
+                            request_id,
+                            send,
+                            started,
+                            ticket,
+                            work_tokens,
+                            self._after_first_byte(ctx, worker, rank),
                         )
                     except UpstreamTimeout:
                         outcome = Outcome.TIMEOUT
@@ -162,6 +169,7 @@ class Forwarder:
         started: float,
         ticket: Ticket,
         work_tokens: float,
+        after_first_byte: Callable[[], None],
     ) -> bytes:
         """Send the worker's answer to the client; return the bytes where usage would be."""
         out_headers = response_headers(resp, request_id)
@@ -172,7 +180,7 @@ class Forwarder:
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
-            mark = self._first_chunk(ttft, started, ticket, work_tokens)
+            mark = self._first_chunk(ttft, started, ticket, work_tokens, after_first_byte)
             tail = await self.relay.stream(
                 resp, send, mark, lambda n: self.fleet.progress(ticket, n)
             )
@@ -183,10 +191,28 @@ class Forwarder:
         out_headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
         await send({"type": "http.response.body", "body": body})
+        after_first_byte()
         return body
 
+    def _after_first_byte(
+        self, ctx: Context, worker: Worker, rank: int | None
+    ) -> Callable[[], None]:
+        """Work that must not delay the first byte (it is spawned, and runs after it)."""
+        kv = self.kv
+
+        def run() -> None:
+            if kv is not None:
+                kv.answered(ctx, worker, rank)
+
+        return run
+
     def _first_chunk(
-        self, ttft: Histogram, started: float, ticket: Ticket, work_tokens: float
+        self,
+        ttft: Histogram,
+        started: float,
+        ticket: Ticket,
+        work_tokens: float,
+        after_first_byte: Callable[[], None],
     ) -> Callable[[], None]:
         def mark() -> None:
             elapsed = time.perf_counter() - started
@@ -194,6 +220,7 @@ class Forwarder:
             self.fleet.first_token(ticket)
             if self.ttft_model is not None:
                 self.ttft_model.observe(ticket.worker.id, elapsed, work_tokens)
+            after_first_byte()
 
         return mark
 

@@ -174,9 +174,6 @@ class KVAwareness:
         (events confirm the entry, or it expires after ``event_lag_ttl_s``).
         """
         ttl = self.speculative_ttl_s if self.estimating(worker) else self.event_lag_ttl_s
-        if ctx.deferred_keys is not None:
-            self._spawn(self._place_later(ctx.deferred_keys, worker.id, rank or 0, ttl))
-            return
         if ctx.prefix is None or not ctx.prefix.keys:
             return
         record = self.store.record_placement(ctx.prefix.keys, worker.id, rank or 0, ttl)
@@ -184,6 +181,18 @@ class KVAwareness:
             await record
             return
         self._spawn(record)
+
+    def answered(self, ctx: Context, worker: Worker, rank: int | None) -> None:
+        """The worker answered: now pay for the tokenization the probe skipped.
+
+        Spawned once the first byte is on its way to the client: run any earlier, the
+        work would hold the event loop while the request or its first token waits.
+        """
+        if ctx.deferred_keys is None:
+            return
+        ttl = self.speculative_ttl_s if self.estimating(worker) else self.event_lag_ttl_s
+        self._spawn(self._place_later(ctx.deferred_keys, worker.id, rank or 0, ttl))
+        ctx.deferred_keys = None
 
     async def _place_later(
         self, deferred: tuple[str, dict[str, Any], str | None], instance: str, rank: int, ttl: float

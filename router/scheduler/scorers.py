@@ -40,7 +40,7 @@ class KVAwareScorer:
 
     cost = prefill_weight x (uncached prompt blocks + queued prefill blocks)
            + decode_weight x active decode blocks
-           + occupancy_weight x blocks the worker caches in all
+           + occupancy_weight x tenths of the fullest cache this worker fills
     A worker that already holds the prefix skips that prefill; one busy decoding long
     contexts pays for every step it shares. Decode blocks weigh less than prefill
     blocks by default: attending a cached token in a decode step is far cheaper than
@@ -58,7 +58,7 @@ class KVAwareScorer:
         self,
         prefill_weight: float = 1.0,
         decode_weight: float = 0.25,
-        occupancy_weight: float = 0.02,
+        occupancy_weight: float = 1.0,
         block_size: int = 16,
     ) -> None:
         self.prefill_weight = prefill_weight
@@ -68,20 +68,20 @@ class KVAwareScorer:
 
     def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
         bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
-        # Only where some worker holds part of the prompt does cache state separate
-        # them; otherwise occupancy is noise (full caches differ by a block or two).
-        reuse = any(ctx.matched.get(w.id, 0.0) > 0 for w in workers)
+        # Occupancy counts in tenths of the fullest cache: full caches that differ by a
+        # block or two are equal, an empty cache beats a full one by ten steps.
+        fullest = max((ctx.cached_blocks.get(w.id, 0) for w in workers), default=0)
         out = []
         for w in workers:
             load = w.load()
             uncached = max(ctx.prompt_tokens - ctx.matched.get(w.id, 0.0), 0.0)
             prefill = (uncached + load.prefill_tokens) / bs
             decode = (load.decode_tokens + load.decode_seqs) / bs
-            occupancy = ctx.cached_blocks.get(w.id, 0) if reuse else 0
+            tenths = int(10 * ctx.cached_blocks.get(w.id, 0) / fullest) if fullest else 0
             out.append(
                 self.prefill_weight * prefill
                 + self.decode_weight * decode
-                + self.occupancy_weight * occupancy
+                + self.occupancy_weight * tenths
             )
         return out
 
