@@ -69,8 +69,12 @@ class KVAwareScorer:
     def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
         bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
         # Occupancy counts in tenths of the fullest cache: full caches that differ by a
-        # block or two are equal, an empty cache beats a full one by ten steps.
+        # block or two are equal, an empty cache beats a full one by ten steps. It only
+        # matters where some worker holds part of the prompt; without reuse anywhere it
+        # would skew request counts for nothing.
+        reuse = any(ctx.matched.get(w.id, 0.0) > 0 for w in workers)
         fullest = max((ctx.cached_blocks.get(w.id, 0) for w in workers), default=0)
+        fullest = fullest if reuse else 0
         out = []
         for w in workers:
             load = w.load()
