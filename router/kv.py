@@ -154,7 +154,13 @@ class KVAwareness:
         return True
 
     async def occupancy(self) -> dict[str, int]:
-        """Blocks each instance holds, from a snapshot at most ``OCCUPANCY_TTL_S`` old."""
+        """Blocks each instance holds, from a snapshot at most ``OCCUPANCY_TTL_S`` old.
+
+        Only the embedded store answers this cheaply; with a remote store the
+        scheduler goes without it.
+        """
+        if not isinstance(self.store, KVStore):
+            return self._occupancy
         now = time.monotonic()
         if now - self._occupancy_at > OCCUPANCY_TTL_S:
             self._occupancy_at = now
