@@ -20,7 +20,7 @@ class RouterSettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     workers: list[str] = Field(default_factory=list, description="worker URLs (WorkerSpec syntax)")
-    policy: str = "round_robin"
+    policy: str = "kv_aware"
     policy_options: dict[str, Any] = Field(default_factory=dict)
     api_key: str | None = None
     admin_api_key: str | None = None

@@ -38,4 +38,4 @@ def test_unset_flags_do_not_override(config: Path) -> None:
 
 def test_defaults_without_any_source() -> None:
     settings = RouterSettings.load()
-    assert settings.host == "127.0.0.1" and settings.policy == "round_robin"
+    assert settings.host == "127.0.0.1" and settings.policy == "kv_aware"
