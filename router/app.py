@@ -27,7 +27,7 @@ from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.pd.orchestrator import build_orchestrator
 from router.relay import HOP_BY_HOP, Relay
-from router.request import DATA_ROUTES, parse
+from router.request import DATA_ROUTES, RoutedRequest, parse
 from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
 
@@ -213,39 +213,17 @@ class RouterApp:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session)
+            dispatch: Awaitable[tuple[int, str]]
             if self.pd is not None and self.pd.applies(req):
-                assert task is not None
-                watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
-                status, worker_id = await self.pd.handle(
-                    req, forward_headers, request_id, response, started
-                )
+                dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
             else:
-                candidates = self.fleet.candidates(req.model)
-                if not candidates:
-                    raise self._no_candidates(req.model)
-                if priority not in PRIORITIES:
-                    raise RouterError(400, f"x-priority must be one of {', '.join(PRIORITIES)}")
-                ctx = Context(
-                    model=req.model,
-                    session_key=req.session_key,
-                    prompt_tokens=req.prompt_tokens_estimate,
-                    request_id=request_id.decode("latin-1"),
-                    priority=priority,
-                )
-                if self.kv is not None and self.scheduler.needs_prefix:
-                    await self.kv.annotate(ctx, req, candidates)
-                ranked = self.scheduler.schedule(ctx, candidates)
-                if not ranked:
-                    raise self._unavailable("No worker can take this request now")
-                self._count_decision(ctx, ranked[0])
-                objective = self.admission.objective_s(ctx, slo_header)
-                if objective is not None:
-                    await self.admission.admit(ctx, ranked, objective)
-                assert task is not None
-                watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
-                status, worker_id = await self.forwarder.forward(
+                ctx, ranked = await self._schedule(req, request_id, priority, slo_header)
+                dispatch = self.forwarder.forward(
                     req, ctx, ranked, forward_headers, request_id, response, started
                 )
+            assert task is not None
+            watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
+            status, worker_id = await dispatch
         except RouterError as exc:
             status = exc.status
             await self._send_error(response, exc, request_id)
@@ -271,6 +249,33 @@ class RouterApp:
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
         m.child(m.latency, route).observe(time.perf_counter() - started)
+
+    async def _schedule(
+        self, req: RoutedRequest, request_id: bytes, priority: str, slo_header: str | None
+    ) -> tuple[Context, list[Worker]]:
+        """Candidates, prefix matches, the policy's order, then SLO admission."""
+        candidates = self.fleet.candidates(req.model)
+        if not candidates:
+            raise self._no_candidates(req.model)
+        if priority not in PRIORITIES:
+            raise RouterError(400, f"x-priority must be one of {', '.join(PRIORITIES)}")
+        ctx = Context(
+            model=req.model,
+            session_key=req.session_key,
+            prompt_tokens=req.prompt_tokens_estimate,
+            request_id=request_id.decode("latin-1"),
+            priority=priority,
+        )
+        if self.kv is not None and self.scheduler.needs_prefix:
+            await self.kv.annotate(ctx, req, candidates)
+        ranked = self.scheduler.schedule(ctx, candidates)
+        if not ranked:
+            raise self._unavailable("No worker can take this request now")
+        self._count_decision(ctx, ranked[0])
+        objective = self.admission.objective_s(ctx, slo_header)
+        if objective is not None:
+            await self.admission.admit(ctx, ranked, objective)
+        return ctx, ranked
 
     def _count_decision(self, ctx: Context, first: Worker) -> None:
         m = self.metrics
