@@ -40,6 +40,7 @@ SCORERS: dict[str, Callable[[dict[str, Any]], Scorer]] = {
         prefill_weight=float(o.get("prefill_weight", 1.0)),
         decode_weight=float(o.get("decode_weight", 0.25)),
         occupancy_weight=float(o.get("occupancy_weight", 1.0)),
+        replication_weight=float(o.get("replication_weight", 5.0)),
     ),
     "kv_pressure": lambda _: KVPressureScorer(),
     "queue": lambda _: QueueScorer(),

@@ -41,13 +41,19 @@ class KVAwareScorer:
     cost = prefill_weight x (uncached prompt blocks + queued prefill blocks)
            + decode_weight x active decode blocks
            + occupancy_weight x tenths of the fullest cache this worker fills
+           + replication_weight x blocks of the best holder's prefix this worker lacks
     A worker that already holds the prefix skips that prefill; one busy decoding long
     contexts pays for every step it shares. Decode blocks weigh less than prefill
     blocks by default: attending a cached token in a decode step is far cheaper than
     computing one (0.04 vs 17 us per token in the mock's H100 fit), but they also hold
     KV memory that a new prefix would have to evict. The small occupancy term sends a
     prefix nobody holds to the emptiest cache (SGLang's "smallest tree"), so distinct
-    hot prefixes land on distinct workers instead of evicting each other. Scores are
+    hot prefixes land on distinct workers instead of evicting each other. Sending a
+    request away from the worker that holds most of its prefix copies that prefix: the
+    copy evicts other prefixes and the next turn of the conversation finds two half-warm
+    workers instead of one warm one. Its weight (5 blocks per block copied) is measured,
+    not derived: 0 -> 5 lifted the Mooncake hit rate 0.13 -> 0.145 and, under saturation,
+    0.82 -> 0.89 with TTFT p90 halved (bench/compare_routing.py). Scores are
     min-cost relative: the cheapest worker gets 1.0, one twice as expensive about 0.5.
     """
 
@@ -59,9 +65,11 @@ class KVAwareScorer:
         prefill_weight: float = 1.0,
         decode_weight: float = 0.25,
         occupancy_weight: float = 1.0,
+        replication_weight: float = 5.0,
         block_size: int = 16,
     ) -> None:
         self.prefill_weight = prefill_weight
+        self.replication_weight = replication_weight
         self.decode_weight = decode_weight
         self.occupancy_weight = occupancy_weight
         self.block_size = block_size
@@ -75,6 +83,7 @@ class KVAwareScorer:
         reuse = any(ctx.matched.get(w.id, 0.0) > 0 for w in workers)
         fullest = max((ctx.cached_blocks.get(w.id, 0) for w in workers), default=0)
         fullest = fullest if reuse else 0
+        best_match = max((ctx.matched.get(w.id, 0.0) for w in workers), default=0.0)
         out = []
         for w in workers:
             load = w.load()
@@ -86,6 +95,7 @@ class KVAwareScorer:
                 self.prefill_weight * prefill
                 + self.decode_weight * decode
                 + self.occupancy_weight * tenths
+                + self.replication_weight * (best_match - ctx.matched.get(w.id, 0.0)) / bs
             )
         return out
 

@@ -66,6 +66,20 @@ def test_kv_aware_counts_queued_prefill_work() -> None:
     assert order[0].id == "b"
 
 
+def test_kv_aware_keeps_a_prefix_on_its_holder_over_a_slightly_shorter_queue() -> None:
+    holder = FakeWorker("a", inflight=1, state=FakeLoad(prefill_tokens=1200))
+    ctx = ctx_with(1024, {"a": 768})
+    order = build_scheduler("kv_aware").schedule(ctx, [holder, FakeWorker("b")])
+    assert order[0].id == "a"
+
+
+def test_kv_aware_without_the_replication_cost_copies_the_prefix_to_the_idle_worker() -> None:
+    holder = FakeWorker("a", inflight=1, state=FakeLoad(prefill_tokens=1200))
+    ctx = ctx_with(1024, {"a": 768})
+    scheduler = build_scheduler("kv_aware", {"replication_weight": 0.0})
+    assert scheduler.schedule(ctx, [holder, FakeWorker("b")])[0].id == "b"
+
+
 def test_prefix_cache_scorer_is_the_matched_share() -> None:
     scheduler = build_scheduler("custom", {"scorers": {"prefix_cache": 1.0}})
     workers = [FakeWorker("a"), FakeWorker("b")]
