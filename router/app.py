@@ -254,6 +254,7 @@ class RouterApp:
         self, req: RoutedRequest, request_id: bytes, priority: str, slo_header: str | None
     ) -> tuple[Context, list[Worker]]:
         """Candidates, prefix matches, the policy's order, then SLO admission."""
+        began = time.perf_counter()
         candidates = self.fleet.candidates(req.model)
         if not candidates:
             raise self._no_candidates(req.model)
@@ -275,6 +276,7 @@ class RouterApp:
         objective = self.admission.objective_s(ctx, slo_header)
         if objective is not None:
             await self.admission.admit(ctx, ranked, objective)
+        self.metrics.schedule.observe(time.perf_counter() - began)
         return ctx, ranked
 
     def _count_decision(self, ctx: Context, first: Worker) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SCHEDULE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
 
 
 class LabelCache:
@@ -46,6 +47,12 @@ class RouterMetrics(LabelCache):
             "Time from request arrival to the first upstream body byte (TTFT for streams).",
             ["route"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.schedule = Histogram(
+            "switchyard_router_schedule_seconds",
+            "Time to choose a worker: tokenization, KV lookup, scoring and admission.",
+            buckets=_SCHEDULE_BUCKETS,
             registry=r,
         )
         self.retries = Counter(
