@@ -211,14 +211,15 @@ class RoutingTokenizer:
 
         Cut at whitespace (the pre-tokenizer never joins across it) and drop the last two
         tokens, so the head is a true prefix of the whole encoding; ``prompt`` adds the
-        specials a completion prompt starts with. None when no safe cut exists.
+        specials a completion prompt starts with. None when no safe cut exists. Pieces
+        shared with earlier prompts come from the piece cache, as for whole prompts.
         """
         if self._tok is None or len(text) <= max_chars:
             return None
         cut = text.rfind(" ", 0, max_chars)
         if cut <= 0:
             return None
-        ids = self._tok.encode(text[:cut], add_special_tokens=False).ids[:-2]
+        ids = self._encode_text(text[:cut])[:-2]
         return self._bos + ids if prompt else ids
 
     def render_chat(

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 OCCUPANCY_TTL_S = 0.1
 PROBE_CHARS = 512
+PROBE_GROWTH = 4
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -115,7 +116,7 @@ class KVAwareness:
             return
         salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
         ids = [w.id for w in candidates]
-        if not await self._probe_misses(ctx, req.model, kwargs, salt, ids):
+        if not await self._probe(ctx, req.model, kwargs, salt, ids):
             result = await self.store.lookup(
                 req.model, candidates=ids, lora_name=None, cache_salt=salt, **kwargs
             )
@@ -124,15 +125,18 @@ class KVAwareness:
             ctx.set_prefix(result)
         ctx.cached_blocks = await self.occupancy()
 
-    async def _probe_misses(
+    async def _probe(
         self, ctx: Context, model: str, kwargs: dict[str, Any], salt: str | None, ids: list[str]
     ) -> bool:
-        """Look up a long prompt's head first; when nobody holds it, skip the rest.
+        """Tokenize a long prompt only as far as some worker's match reaches.
 
-        Tokenizing a long prompt costs ~1.5 us per token here, on the request's path.
-        A prompt whose first blocks nobody holds can match nowhere (matches are
-        consecutive from block 0), so routing needs only its length: the full
-        tokenization moves off the path, into recording the placement.
+        Tokenizing costs ~1.5 us per token, on the request's path and on the one event
+        loop: a burst of long prompts queues behind it (the Mooncake trace's bursts of
+        ten added ~15 ms to everyone's TTFT). Matches are consecutive from block 0, so
+        once every worker's match ends inside a head of the prompt, the rest of the
+        prompt cannot change them: routing needs only its length. Heads grow fourfold
+        from ``PROBE_CHARS``. The placement records the probed head; a worker without
+        KV events gets the whole prompt recorded once the first byte is on its way.
         """
         store = self.store
         if not isinstance(store, KVStore):
@@ -142,14 +146,21 @@ class KVAwareness:
         text = tok.render_chat(messages) if messages is not None else prompt
         if not tok.exact or not isinstance(text, str):
             return False
-        head = tok.encode_head(text, PROBE_CHARS, prompt=messages is None)
-        if head is None or len(head) < store.block_size:
-            return False
-        matches, degraded = await store.lookup_keys(store.keys_for(head, None, salt), ids)
-        if matches or degraded:
-            return False
-        total = round(len(text) * len(head) / PROBE_CHARS)
-        ctx.set_prefix(LookupResult(store.block_size, total, [], [], exact=False))
+        chars = PROBE_CHARS
+        while True:
+            head = tok.encode_head(text, chars, prompt=messages is None)
+            if head is None or len(head) < store.block_size:
+                return False
+            keys = store.keys_for(head, None, salt)
+            matches, degraded = await store.lookup_keys(keys, ids)
+            if degraded:
+                return False
+            longest = max((m.matched_tokens for m in matches), default=0)
+            if longest < len(keys) * store.block_size:
+                break
+            chars *= PROBE_GROWTH
+        total = round(len(text) * len(head) / chars)
+        ctx.set_prefix(LookupResult(store.block_size, total, keys, matches, exact=False))
         ctx.deferred_keys = (model, kwargs, salt)
         return True
 
@@ -189,16 +200,18 @@ class KVAwareness:
         self._spawn(record)
 
     def answered(self, ctx: Context, worker: Worker, rank: int | None) -> None:
-        """The worker answered: now pay for the tokenization the probe skipped.
+        """The worker answered: record the whole prompt where no KV events will.
 
-        Spawned once the first byte is on its way to the client: run any earlier, the
-        work would hold the event loop while the request or its first token waits.
+        With events the probed head bridges the moments until the engine's own events
+        arrive, so the rest is never tokenized here. Without them the placement is all
+        the router will know: the tokenization the probe skipped is paid now, spawned
+        once the first byte is on its way (any earlier, it would hold the event loop
+        while the request or its first token waits).
         """
-        if ctx.deferred_keys is None:
+        deferred, ctx.deferred_keys = ctx.deferred_keys, None
+        if deferred is None or not self.estimating(worker):
             return
-        ttl = self.speculative_ttl_s if self.estimating(worker) else self.event_lag_ttl_s
-        self._spawn(self._place_later(ctx.deferred_keys, worker.id, rank or 0, ttl))
-        ctx.deferred_keys = None
+        self._spawn(self._place_later(deferred, worker.id, rank or 0, self.speculative_ttl_s))
 
     async def _place_later(
         self, deferred: tuple[str, dict[str, Any], str | None], instance: str, rank: int, ttl: float
