@@ -7,6 +7,7 @@ missed batches: replay them or clear); a jump backward is a restarted publisher
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from enum import Enum
 
@@ -50,6 +51,8 @@ class Feed:
         self.replays = 0
         # Sequence numbers in (dup_floor, last_seq] were already applied by a replay.
         self.dup_floor: int | None = None
+        # Orders this publisher's updates with a rewrite of its entries after an outage.
+        self.lock = asyncio.Lock()
 
     @property
     def instance(self) -> str:

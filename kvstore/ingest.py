@@ -85,6 +85,18 @@ class Ingestor:
             for key in [k for k in self._maps if k[0] == rank]:
                 del self._maps[key]
 
+    def snapshot(self) -> list[Op]:
+        """Operations that rewrite this publisher's index entries from what it holds now.
+
+        The hash maps follow every store and removal, also while the backend is down,
+        so they are the engine's cache as its events describe it.
+        """
+        ops: list[Op] = [Clear(self.instance, rank) for rank in sorted(self.ranks_seen)]
+        for (rank, tier), hmap in self._maps.items():
+            if hmap:
+                ops.append(Add(list(hmap.values()), Location(self.instance, rank, tier)))
+        return ops
+
     def ops(self, batch: EventBatch) -> list[Op]:
         rank = self.default_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
         self.ranks_seen.add(rank)

@@ -52,3 +52,9 @@ class KVStoreMetrics:
         self.backend_errors = Counter(
             p + "backend_errors", "Failed backend calls", ["op"], registry=r
         )
+        self.resyncs = Counter(
+            p + "resyncs",
+            "Instances rewritten into the backend from their event state after an outage",
+            ["instance"],
+            registry=r,
+        )

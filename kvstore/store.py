@@ -339,15 +339,16 @@ class KVStore:
     async def _apply(self, feed: Feed, batch: EventBatch) -> None:
         st = feed.ingestor.stats
         before = (st.blocks_stored, st.blocks_removed, st.orphan_blocks)
-        ops = feed.ingestor.ops(batch)
         m = self.metrics
         m.event_batches.labels(feed.instance).inc()
         m.events.inc(len(batch.events))
         if batch.ts:
             feed.last_ts = batch.ts
             m.lag.labels(feed.instance).set(max(0.0, time.time() - batch.ts))
-        if ops:
-            await self._guard("apply", lambda: self.index.apply(ops))
+        async with feed.lock:
+            ops = feed.ingestor.ops(batch)
+            if ops:
+                await self._guard("apply", lambda: self.index.apply(ops))
         m.blocks_stored.inc(st.blocks_stored - before[0])
         m.blocks_removed.inc(st.blocks_removed - before[1])
         m.orphan_blocks.inc(st.orphan_blocks - before[2])
@@ -422,3 +423,22 @@ class KVStore:
                 self.index.kind,
                 time.monotonic() - down_since,
             )
+            await self._resync()
+
+    async def _resync(self) -> None:
+        """Rewrite every publisher's entries from its event state after an outage.
+
+        Updates that arrived while the backend was down were dropped, and a restarted
+        Redis may have lost everything: each instance is cleared and written again
+        from the blocks its events say it holds now.
+        """
+        feeds = [s.feed for s in self._subscribers.values()] + list(self._http_feeds.values())
+        for feed in feeds:
+            async with feed.lock:
+                ops = feed.ingestor.snapshot()
+                if not ops:
+                    continue
+                await self._guard("resync", lambda ops=ops: self.index.apply(ops))
+            if self.degraded:
+                return
+            self.metrics.resyncs.labels(feed.instance).inc()

@@ -121,6 +121,34 @@ async def test_redis_outage_gives_degraded_answers_then_recovers(
         await store.stop()
 
 
+async def test_events_that_arrived_while_redis_was_down_are_in_the_index_once_it_returns() -> None:
+    port = free_port()
+    kept, evicted = TOKENS, list(range(500, 532))
+    with redis_server(port) as (url, proc):
+        store = KVStore(RedisIndex(url, block_size=16), probe_interval_s=0.05)
+        await store.start()
+        await store.ingest(E, stored_batch(kept, 1), seq=0)
+        await store.ingest(E, stored_batch(evicted, 100), seq=1)
+        proc.kill()
+        proc.wait()
+        late = list(range(700, 748))
+        await store.ingest(E, stored_batch(late, 200), seq=2)
+        removal = [time.time(), [["BlockRemoved", [100, 101], "GPU"]], 0]
+        await store.ingest(E, removal, seq=3)
+        assert store.degraded
+    with redis_server(port):  # a new Redis: the outage also lost what was written before
+        deadline = time.monotonic() + 5
+        while store.degraded and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        matched = {}
+        for name, tokens in (("kept", kept), ("evicted", evicted), ("late", late)):
+            res = await store.lookup(None, token_ids=tokens)
+            assert not res.degraded
+            matched[name] = max((m.matched_tokens for m in res.matches), default=0)
+        assert matched == {"kept": 64, "evicted": 0, "late": 48}
+        await store.stop()
+
+
 async def test_an_unreachable_kvstore_service_is_degraded_not_an_error() -> None:
     remote = RemoteKVStore(f"http://127.0.0.1:{free_port()}", timeout_s=0.02)
     await remote.start()
