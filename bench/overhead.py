@@ -5,7 +5,7 @@ Targets, each measured ``--rounds`` times in rotating order: the backend directl
 ``switchyard router`` in front of it, and ``smg launch`` (pip install smg) when
 installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
 
-    python bench/overhead.py [--duration 10] [--rounds 3] [--connections 32]
+    python bench/overhead.py [--duration 10] [--rounds 3] [--connections 32] [--processes 2]
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--policy", default="round_robin")
+    ap.add_argument("--processes", type=int, default=1, help="switchyard router --processes")
     ap.add_argument("--sse-streams", type=int, default=16)
     ap.add_argument("--no-smg", action="store_true")
     args = ap.parse_args()
@@ -196,6 +197,8 @@ def main() -> None:
                     str(sy_port),
                     "--policy",
                     args.policy,
+                    "--processes",
+                    str(args.processes),
                 ],
                 f"http://127.0.0.1:{sy_port}/ready",
             )

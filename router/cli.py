@@ -53,6 +53,10 @@ def register(app: typer.Typer) -> None:
         slo_ttft_ms: Annotated[
             float | None, typer.Option(help="Default TTFT objective for admission, ms.")
         ] = None,
+        processes: Annotated[
+            int | None,
+            typer.Option(help="Router processes on the port (more cores; --redis shares state)."),
+        ] = None,
         prefill: Annotated[
             list[str] | None,
             typer.Option("--prefill", help="Prefill worker URL (P/D), repeatable; ';bootstrap=N'."),
@@ -91,6 +95,7 @@ def register(app: typer.Typer) -> None:
             balancer=balancer,
             redis=redis,
             slo_ttft_ms=slo_ttft_ms,
+            processes=processes,
             pd={
                 k: v
                 for k, v in {

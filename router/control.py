@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
@@ -89,7 +90,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
         "POST /v1/completions, /v1/chat/completions and /v1/embeddings).",
         version="0.1.0",
     )
-    router.metrics.registry.register(_FleetCollector(router))
+    fleet_collector = _FleetCollector(router)
+    router.metrics.registry.register(fleet_collector)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
@@ -117,6 +119,19 @@ def build_control_app(router: RouterApp) -> FastAPI:
         if expected and authorization != f"Bearer {expected}":
             raise RouterError(401, "Invalid or missing admin API key", code="invalid_api_key")
 
+    def one_registry() -> None:
+        """Several processes without Redis each keep their own registry: a change made
+        through one of them would not reach the others."""
+        settings = router.settings
+        if settings.processes > 1 and settings.redis is None:
+            raise RouterError(
+                409,
+                f"This router runs {settings.processes} processes without --redis: admin "
+                "changes would reach only one of them. Start it with --redis, or change "
+                "the workers in its config and restart.",
+                code="admin_needs_redis",
+            )
+
     @app.get("/health", summary="The router process is alive")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -134,7 +149,14 @@ def build_control_app(router: RouterApp) -> FastAPI:
 
     @app.get("/metrics", summary="Prometheus metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        registry = router.metrics.registry
+        if router.settings.processes > 1:
+            # Every process writes its samples to files: sum them all, whichever answers.
+            # The fleet gauges are the answering process's own view.
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            registry.register(fleet_collector)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(api_key)], summary="Union of the workers' models")
     async def models() -> dict[str, Any]:
@@ -150,7 +172,9 @@ def build_control_app(router: RouterApp) -> FastAPI:
     async def list_workers() -> dict[str, Any]:
         return {"workers": [w.describe() for w in router.fleet.workers()]}
 
-    @app.post("/admin/workers", dependencies=[Depends(admin_key)], status_code=201)
+    changes = [Depends(admin_key), Depends(one_registry)]
+
+    @app.post("/admin/workers", dependencies=changes, status_code=201)
     async def add_worker(worker: WorkerIn) -> dict[str, Any]:
         try:
             spec = (
@@ -172,13 +196,13 @@ def build_control_app(router: RouterApp) -> FastAPI:
         added = router.fleet.add(spec)
         return added.describe()
 
-    @app.delete("/admin/workers", dependencies=[Depends(admin_key)])
+    @app.delete("/admin/workers", dependencies=changes)
     async def remove_worker(url: str = Query(..., description="the worker's URL (its id)")) -> dict:
         if not router.fleet.remove(WorkerSpec(url=url).url):
             raise RouterError(404, f"No worker {url}", param="url", code="worker_not_found")
         return {"removed": WorkerSpec(url=url).url}
 
-    @app.post("/admin/workers/drain", dependencies=[Depends(admin_key)])
+    @app.post("/admin/workers/drain", dependencies=changes)
     async def drain_worker(url: str = Query(...)) -> dict[str, str]:
         if not router.fleet.drain(WorkerSpec(url=url).url):
             raise RouterError(404, f"No worker {url}", param="url", code="worker_not_found")

@@ -36,6 +36,7 @@ class RouterSettings(ServiceSettings):
     retry_after_s: int = 1
 
     max_connections_per_worker: int = 0  # 0 = unbounded pool
+    processes: int = Field(default=1, ge=1, description="router processes sharing the port")
     log_level: str = "warning"
 
     # KV-aware routing: where prefix knowledge comes from.

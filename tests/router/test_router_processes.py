@@ -1,0 +1,59 @@
+"""``--processes N``: several router processes on one port, one set of metrics."""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.router.conftest import StartRouter
+from tests.router.stub_backend import StubBackend
+
+pytestmark = pytest.mark.timeout(60)
+
+REQUESTS = 24
+
+
+def router_processes(pid: int) -> list[int]:
+    """The serving children of a router's supervisor (not multiprocessing's helpers)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def complete_once(base_url: str) -> str:
+    """One request on a connection of its own, so either process may accept it."""
+    with openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0) as client:
+        return client.completions.create(model="stub-model", prompt="hello", max_tokens=4).id
+
+
+def test_two_processes_serve_one_port_and_sum_their_metrics(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    router = start_router(stub.url, args=("--processes", "2", "--policy", "round_robin"))
+    assert router.proc is not None
+    assert len(router_processes(router.proc.pid)) == 2
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(complete_once, [router.url] * REQUESTS))
+    assert ids == ["cmpl-stub"] * REQUESTS
+    metrics = httpx.get(router.url + "/metrics").text
+    served = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("switchyard_router_requests_total{") and 'status="200"' in line
+    ]
+    assert sum(served) == REQUESTS
+    assert "switchyard_router_worker_routable" in metrics
+
+
+def test_admin_changes_need_redis_when_processes_do_not_share_a_registry(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    router = start_router(stub.url, args=("--processes", "2"))
+    answer = httpx.post(router.url + "/admin/workers", json={"url": "http://127.0.0.1:1"})
+    assert answer.status_code == 409
+    assert answer.json()["error"]["code"] == "admin_needs_redis"
+    assert httpx.get(router.url + "/admin/workers").status_code == 200
