@@ -193,7 +193,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
             )
         except ValueError as exc:
             raise RouterError(400, str(exc), param="url") from None
-        added = router.fleet.add(spec)
+        added = router.fleet.add(spec, source="admin")
         return added.describe()
 
     @app.delete("/admin/workers", dependencies=changes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
+from tests.support import redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,3 +59,20 @@ def test_admin_changes_need_redis_when_processes_do_not_share_a_registry(
     assert answer.status_code == 409
     assert answer.json()["error"]["code"] == "admin_needs_redis"
     assert httpx.get(router.url + "/admin/workers").status_code == 200
+
+
+def test_an_admin_change_reaches_every_router_sharing_redis(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    with redis_server() as (url, _):
+        first = start_router(stub.url, args=("--redis", url))
+        second = start_router(stub.url, args=("--redis", url))
+        added = httpx.post(first.url + "/admin/workers", json={"url": stub2.url})
+        assert added.status_code == 201
+        deadline = time.monotonic() + 5
+        seen: set[str] = set()
+        while stub2.url not in seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = httpx.get(second.url + "/admin/workers").json()["workers"]
+            seen = {w["url"] for w in workers}
+        assert stub2.url in seen
