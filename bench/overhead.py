@@ -154,6 +154,12 @@ async def sse_rate(url: str, streams: int, duration: float) -> float:
         return count / (time.monotonic() - start)
 
 
+def router_argv(worker: str, port: int, *extra: str) -> list[str]:
+    """``switchyard router`` in front of one worker on ``port``."""
+    cmd = [sys.executable, "-m", "switchyard", "router", "--worker", worker]
+    return [*cmd, "--port", str(port), *extra]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--duration", type=int, default=10)
@@ -186,20 +192,9 @@ def main() -> None:
         sy_port = free_port()
         stack.enter_context(
             process(
-                [
-                    sys.executable,
-                    "-m",
-                    "switchyard",
-                    "router",
-                    "--worker",
-                    backend,
-                    "--port",
-                    str(sy_port),
-                    "--policy",
-                    args.policy,
-                    "--processes",
-                    str(args.processes),
-                ],
+                router_argv(
+                    backend, sy_port, "--policy", args.policy, "--processes", str(args.processes)
+                ),
                 f"http://127.0.0.1:{sy_port}/ready",
             )
         )
@@ -272,21 +267,7 @@ def main() -> None:
             )
         )
         sy_port = free_port()
-        stack.enter_context(
-            process(
-                [
-                    sys.executable,
-                    "-m",
-                    "switchyard",
-                    "router",
-                    "--worker",
-                    sse,
-                    "--port",
-                    str(sy_port),
-                ],
-                f"http://127.0.0.1:{sy_port}/ready",
-            )
-        )
+        stack.enter_context(process(router_argv(sse, sy_port), f"http://127.0.0.1:{sy_port}/ready"))
         rates: dict[str, list[float]] = {"direct": [], "switchyard": []}
         urls = {"direct": sse, "switchyard": f"http://127.0.0.1:{sy_port}"}
         for r in range(args.rounds):

@@ -56,6 +56,23 @@ def router(
     return Server([*argv, *args], port).start()
 
 
+def vllm_pair(
+    tmp: Path,
+    *,
+    prefill_args: tuple[str, ...] = (),
+    decode_args: tuple[str, ...] = (),
+    pd: dict[str, object] | None = None,
+    args: tuple[str, ...] = (),
+) -> tuple[Server, Server, Server]:
+    """One vLLM prefill mock, one decode mock and a router in front: (router, prefill, decode)."""
+    prefill = mock("--role", "prefill", *prefill_args)
+    decode = mock("--role", "decode", *decode_args)
+    front = router(
+        tmp, "vllm", prefill=[spec(prefill.url)], decode=[spec(decode.url)], pd=pd, args=args
+    )
+    return front, prefill, decode
+
+
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
     text = httpx.get(url + "/metrics").text

@@ -7,7 +7,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, spec
+from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, spec, vllm_pair
 from tests.support import TOKENIZER_DIR
 
 pytestmark = pytest.mark.timeout(60)
@@ -18,15 +18,7 @@ OTHER_PROMPT = "an unrelated opening that shares nothing with the other prompt "
 def test_short_prompts_go_straight_to_decode_and_long_ones_through_prefill(
     tmp_path: Path,
 ) -> None:
-    prefill = mock("--role", "prefill")
-    decode = mock("--role", "decode")
-    front = router(
-        tmp_path,
-        "vllm",
-        prefill=[spec(prefill.url)],
-        decode=[spec(decode.url)],
-        args=("--pd-min-prefill-tokens", "64"),
-    )
+    front, prefill, decode = vllm_pair(tmp_path, args=("--pd-min-prefill-tokens", "64"))
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=15)
     try:
         short = client.completions.with_raw_response.create(
@@ -47,14 +39,8 @@ def test_short_prompts_go_straight_to_decode_and_long_ones_through_prefill(
 
 
 def test_with_a_kv_store_a_follow_up_turn_skips_the_prefill_pool(tmp_path: Path) -> None:
-    prefill = mock("--role", "prefill")
-    decode = mock("--role", "decode")
-    front = router(
-        tmp_path,
-        "vllm",
-        prefill=[spec(prefill.url)],
-        decode=[spec(decode.url)],
-        args=("--pd-min-prefill-tokens", "64", "--tokenizer", str(TOKENIZER_DIR)),
+    front, prefill, decode = vllm_pair(
+        tmp_path, args=("--pd-min-prefill-tokens", "64", "--tokenizer", str(TOKENIZER_DIR))
     )
     client = openai.OpenAI(base_url=front.url + "/v1", api_key="x", max_retries=0, timeout=15)
     try:

@@ -8,7 +8,16 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, sglang_prefill, spec
+from tests.pd.support_pd import (
+    LONG_PROMPT,
+    MODEL,
+    metric,
+    mock,
+    router,
+    sglang_prefill,
+    spec,
+    vllm_pair,
+)
 from tests.support import Server, free_port
 
 pytestmark = pytest.mark.timeout(60)
@@ -175,14 +184,8 @@ def test_sglang_transfer_timeout_ends_in_a_504_and_aborts_both_legs(tmp_path: Pa
 
 
 def test_vllm_prefill_timeout_falls_back_within_the_deadline(tmp_path: Path) -> None:
-    prefill = mock("--role", "prefill", "--fault-hang-rate", "1")
-    decode = mock("--role", "decode")
-    front = router(
-        tmp_path,
-        "vllm",
-        prefill=[spec(prefill.url)],
-        decode=[spec(decode.url)],
-        pd={"prefill_timeout_s": 0.5},
+    front, prefill, decode = vllm_pair(
+        tmp_path, prefill_args=("--fault-hang-rate", "1"), pd={"prefill_timeout_s": 0.5}
     )
     try:
         started = time.monotonic()
@@ -199,13 +202,9 @@ def test_vllm_prefill_timeout_falls_back_within_the_deadline(tmp_path: Path) -> 
 
 
 def test_vllm_prefill_timeout_without_fallback_is_a_clear_504(tmp_path: Path) -> None:
-    prefill = mock("--role", "prefill", "--fault-hang-rate", "1")
-    decode = mock("--role", "decode")
-    front = router(
+    front, prefill, decode = vllm_pair(
         tmp_path,
-        "vllm",
-        prefill=[spec(prefill.url)],
-        decode=[spec(decode.url)],
+        prefill_args=("--fault-hang-rate", "1"),
         pd={"prefill_timeout_s": 0.5, "fallback": False},
     )
     try:
@@ -248,14 +247,8 @@ def test_client_disconnect_aborts_the_decode_leg(tmp_path: Path, protocol: str) 
 
 
 def test_vllm_stalled_kv_transfer_on_a_streamed_decode_ends_in_a_504(tmp_path: Path) -> None:
-    prefill = mock("--role", "prefill")
-    decode = mock("--role", "decode", "--fault-hang-rate", "1")
-    front = router(
-        tmp_path,
-        "vllm",
-        prefill=[spec(prefill.url)],
-        decode=[spec(decode.url)],
-        pd={"kv_transfer_timeout_s": 0.4},
+    front, prefill, decode = vllm_pair(
+        tmp_path, decode_args=("--fault-hang-rate", "1"), pd={"kv_transfer_timeout_s": 0.4}
     )
     try:
         started = time.monotonic()
