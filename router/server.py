@@ -68,7 +68,9 @@ def build_kvstore(
 
 
 def build_app(settings: RouterSettings, config_file: str | Path | None = None) -> RouterApp:
-    scheduler = build_scheduler(settings.policy, settings.policy_options)
+    scheduler = build_scheduler(
+        settings.policy, settings.policy_options, block_size=settings.block_size
+    )
     fleet = build_fleet(settings, config_file)
     kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
     return RouterApp(settings, fleet, scheduler, kvstore)

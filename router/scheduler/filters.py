@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
@@ -15,8 +17,13 @@ class MaxInflightFilter:
 
     name = "max_inflight"
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        limit: int = Field(ge=1, description="in-flight requests a worker may hold")
+
+    def __init__(self, params: Params) -> None:
+        self.limit = params.limit
 
     def filter(self, ctx: Context, workers: list[Worker]) -> list[Worker]:
         return [w for w in workers if w.inflight < self.limit]

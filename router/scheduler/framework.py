@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pydantic import BaseModel, ConfigDict
+
 if TYPE_CHECKING:
     from balancer.worker import Worker
     from kvstore.store import LookupResult
@@ -54,6 +56,12 @@ class Context:
                 self.matched_rank[m.instance] = m.dp_rank
 
 
+class NoParams(BaseModel):
+    """Options of a component that takes none: any option given to it is a mistake."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class Filter(Protocol):
     name: str
 
@@ -63,6 +71,7 @@ class Filter(Protocol):
 
 class Scorer(Protocol):
     name: str
+    uses_prefix: bool
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         """One value in [0, 1] per worker, higher is better."""
@@ -94,9 +103,7 @@ class Scheduler:
     @property
     def needs_prefix(self) -> bool:
         """Whether this policy wants the KV store's prefix matches before it runs."""
-        return self.picker.uses_prefix or any(
-            getattr(scorer, "uses_prefix", False) for scorer, _ in self.scorers
-        )
+        return self.picker.uses_prefix or any(scorer.uses_prefix for scorer, _ in self.scorers)
 
     def schedule(self, ctx: Context, workers: list[Worker]) -> list[Worker]:
         for f in self.filters:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
@@ -20,11 +22,16 @@ if TYPE_CHECKING:
 
 
 class BoundedLoadGuard:
-    def __init__(self, epsilon: float = 0.5, slack: float = 4.0) -> None:
-        if epsilon < 0 or slack < 0:
-            raise ValueError("guard epsilon and slack must be >= 0")
-        self.epsilon = epsilon
-        self.slack = slack
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        epsilon: float = Field(default=0.5, ge=0, description="allowed excess over the mean load")
+        slack: float = Field(default=4.0, ge=0, description="absolute in-flight slack")
+
+    def __init__(self, params: Params | None = None) -> None:
+        p = params or self.Params()
+        self.epsilon = p.epsilon
+        self.slack = p.slack
 
     def capacity(self, workers: list[Worker]) -> float:
         mean_after = (sum(w.inflight for w in workers) + 1) / len(workers)

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import random
 from typing import TYPE_CHECKING
 
-import xxhash
+from pydantic import BaseModel, ConfigDict, Field
 
-from router.scheduler.framework import Context
+from router.scheduler.framework import Context, NoParams
+from router.scheduler.session import session_ranking
 
 if TYPE_CHECKING:
     from balancer.worker import Worker
@@ -24,11 +24,20 @@ def _by_score(workers: list[Worker], scores: list[float], rng: random.Random) ->
     return [workers[i] for _, _, i in keyed]
 
 
+class SeedParams(BaseModel):
+    """Options of a picker that draws at random: a seed makes its draws repeatable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int | None = Field(default=None, description="random seed (None: from the OS)")
+
+
 class RoundRobinPicker:
     name = "round_robin"
     uses_prefix = False
+    Params = NoParams
 
-    def __init__(self) -> None:
+    def __init__(self, params: NoParams | None = None) -> None:
         self._counter = itertools.count()
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
@@ -40,9 +49,10 @@ class RoundRobinPicker:
 class RandomPicker:
     name = "random"
     uses_prefix = False
+    Params = SeedParams
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, params: SeedParams | None = None) -> None:
+        self._rng = random.Random((params or SeedParams()).seed)
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         return self._rng.sample(workers, len(workers))
@@ -59,8 +69,15 @@ class MaxScorePicker:
     name = "max_score"
     uses_prefix = False
 
-    def __init__(self, tie_tolerance: float = 0.0) -> None:
-        self.tie_tolerance = tie_tolerance
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        tie_tolerance: float = Field(
+            default=0.0, ge=0, lt=1, description="scores this close (relative) to the best tie"
+        )
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.tie_tolerance = (params or self.Params()).tie_tolerance
         self._picks = itertools.count(1)
         self._last: dict[str, int] = {}
 
@@ -86,9 +103,10 @@ class PowerOfTwoPicker:
 
     name = "power_of_two"
     uses_prefix = False
+    Params = SeedParams
 
-    def __init__(self, seed: int | None = None) -> None:
-        self._rng = random.Random(seed)
+    def __init__(self, params: SeedParams | None = None) -> None:
+        self._rng = random.Random((params or SeedParams()).seed)
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         if len(workers) <= 2:
@@ -101,7 +119,7 @@ class PowerOfTwoPicker:
 
 
 class ConsistentHashPicker:
-    """Session affinity on a hash ring, with bounded load (Mirrokni, Thorup, Zadimoghaddam).
+    """Session affinity by the shared session ranking, with bounded load (Mirrokni et al.).
 
     A worker is skipped while its in-flight count would exceed ``load_factor`` times
     the fleet mean, so one hot session cannot sink a worker; requests without a
@@ -111,47 +129,20 @@ class ConsistentHashPicker:
     name = "consistent_hash"
     uses_prefix = False
 
-    def __init__(
-        self, load_factor: float = 1.25, vnodes: int = 64, seed: int | None = None
-    ) -> None:
-        if load_factor < 1.0:
-            raise ValueError("consistent_hash load_factor must be >= 1.0")
-        self.load_factor = load_factor
-        self.vnodes = vnodes
-        self._rng = random.Random(seed)
-        self._ring_ids: tuple[str, ...] = ()
-        self._points: list[int] = []
-        self._owners: list[str] = []
-
-    def _ring(self, workers: list[Worker]) -> None:
-        ids = tuple(sorted(w.id for w in workers))
-        if ids == self._ring_ids:
-            return
-        pairs = sorted(
-            (xxhash.xxh3_64_intdigest(f"{wid}#{v}".encode()), wid)
-            for wid in ids
-            for v in range(self.vnodes)
+    class Params(SeedParams):
+        load_factor: float = Field(
+            default=1.25, ge=1.0, description="skip a worker above this x the mean in-flight"
         )
-        self._points = [p for p, _ in pairs]
-        self._owners = [o for _, o in pairs]
-        self._ring_ids = ids
+
+    def __init__(self, params: Params | None = None) -> None:
+        p = params or self.Params()
+        self.load_factor = p.load_factor
+        self._rng = random.Random(p.seed)
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         if ctx.session_key is None:
             return _by_score(workers, scores, self._rng)
-        self._ring(workers)
-        by_id = {w.id: w for w in workers}
-        start = bisect.bisect(self._points, xxhash.xxh3_64_intdigest(ctx.session_key.encode()))
-        walk: list[Worker] = []
-        seen: set[str] = set()
-        n = len(self._owners)
-        for k in range(n):
-            wid = self._owners[(start + k) % n]
-            if wid not in seen:
-                seen.add(wid)
-                walk.append(by_id[wid])
-                if len(walk) == len(workers):
-                    break
+        walk = [workers[i] for i in session_ranking(ctx.session_key, [w.id for w in workers])]
         total = sum(w.inflight for w in workers)
         capacity = math.ceil(self.load_factor * (total + 1) / len(workers))
         fits = [w for w in walk if w.inflight < capacity]
@@ -168,9 +159,13 @@ class SoftmaxPicker:
     name = "softmax"
     uses_prefix = False
 
-    def __init__(self, temperature: float = 0.1, seed: int | None = None) -> None:
-        self.temperature = temperature
-        self._rng = random.Random(seed)
+    class Params(SeedParams):
+        temperature: float = Field(default=0.1, ge=0, description="0 is max score")
+
+    def __init__(self, params: Params | None = None) -> None:
+        p = params or self.Params()
+        self.temperature = p.temperature
+        self._rng = random.Random(p.seed)
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         if self.temperature <= 0 or len(workers) == 1:
@@ -197,17 +192,23 @@ class CacheAwarePicker:
     name = "cache_aware"
     uses_prefix = True
 
-    def __init__(
-        self,
-        cache_threshold: float = 0.3,
-        balance_abs_threshold: int = 64,
-        balance_rel_threshold: float = 1.5,
-        seed: int | None = None,
-    ) -> None:
-        self.cache_threshold = cache_threshold
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self._rng = random.Random(seed)
+    class Params(SeedParams):
+        cache_threshold: float = Field(
+            default=0.3, ge=0, le=1, description="share of the prompt a match must cover"
+        )
+        balance_abs_threshold: int = Field(
+            default=64, ge=0, description="imbalanced when max - min in-flight exceeds this"
+        )
+        balance_rel_threshold: float = Field(
+            default=1.5, ge=1, description="... and max exceeds this x min"
+        )
+
+    def __init__(self, params: Params | None = None) -> None:
+        p = params or self.Params()
+        self.cache_threshold = p.cache_threshold
+        self.balance_abs_threshold = p.balance_abs_threshold
+        self.balance_rel_threshold = p.balance_rel_threshold
+        self._rng = random.Random(p.seed)
 
     def order(self, ctx: Context, workers: list[Worker], scores: list[float]) -> list[Worker]:
         loads = [w.inflight for w in workers]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import xxhash
+from pydantic import BaseModel, ConfigDict, Field
 
-from router.scheduler.framework import Context
+from router.scheduler.framework import Context, NoParams
+from router.scheduler.session import session_ranking
 
 if TYPE_CHECKING:
     from balancer.worker import Worker
@@ -17,6 +18,7 @@ class InflightScorer:
 
     name = "load"
     uses_prefix = False
+    Params = NoParams
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         loads = [w.inflight for w in workers]
@@ -29,6 +31,7 @@ class PrefixCacheScorer:
 
     name = "prefix_cache"
     uses_prefix = True
+    Params = NoParams
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         total = max(ctx.prompt_tokens, 1)
@@ -60,18 +63,29 @@ class KVAwareScorer:
     name = "kv_aware"
     uses_prefix = True
 
-    def __init__(
-        self,
-        prefill_weight: float = 1.0,
-        decode_weight: float = 0.25,
-        occupancy_weight: float = 1.0,
-        replication_weight: float = 5.0,
-        block_size: int = 16,
-    ) -> None:
-        self.prefill_weight = prefill_weight
-        self.replication_weight = replication_weight
-        self.decode_weight = decode_weight
-        self.occupancy_weight = occupancy_weight
+    class Params(BaseModel):
+        """The cost weights, in KV blocks of cost; the one place their defaults live."""
+
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        prefill_weight: float = Field(
+            default=1.0, ge=0, description="per uncached or queued prefill block"
+        )
+        decode_weight: float = Field(default=0.25, ge=0, description="per active decode block")
+        occupancy_weight: float = Field(
+            default=1.0, ge=0, description="per tenth of the fullest cache this worker fills"
+        )
+        replication_weight: float = Field(
+            default=5.0, ge=0, description="per block of the best holder's prefix this lacks"
+        )
+
+    def __init__(self, params: Params | None = None, *, block_size: int) -> None:
+        p = params or self.Params()
+        self.prefill_weight = p.prefill_weight
+        self.decode_weight = p.decode_weight
+        self.occupancy_weight = p.occupancy_weight
+        self.replication_weight = p.replication_weight
+        # Costs count blocks of the lookup's size; this one serves when no lookup ran.
         self.block_size = block_size
 
     def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
@@ -109,6 +123,8 @@ class KVPressureScorer:
     """Free KV cache on the engine (scraped), so new prefixes land where they fit."""
 
     name = "kv_pressure"
+    uses_prefix = False
+    Params = NoParams
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         out = []
@@ -122,6 +138,8 @@ class QueueScorer:
     """Fewer requests waiting in the engine's queue (scraped) is better."""
 
     name = "queue"
+    uses_prefix = False
+    Params = NoParams
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         waiting = [w.load().engine_waiting or 0 for w in workers]
@@ -130,14 +148,14 @@ class QueueScorer:
 
 
 class SessionAffinityScorer:
-    """1.0 for the session's home worker by rendezvous hashing, 0 elsewhere."""
+    """1.0 for the session's home worker (the shared session ranking), 0 elsewhere."""
 
     name = "session_affinity"
+    uses_prefix = False
+    Params = NoParams
 
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
-        if ctx.session_key is None:
+        if ctx.session_key is None or not workers:
             return [0.0] * len(workers)
-        key = ctx.session_key.encode()
-        weights = [xxhash.xxh3_64_intdigest(key + w.id.encode()) for w in workers]
-        home = weights.index(max(weights))
+        home = session_ranking(ctx.session_key, [w.id for w in workers])[0]
         return [1.0 if i == home else 0.0 for i in range(len(workers))]

@@ -118,7 +118,7 @@ def test_cache_aware_balances_when_the_fleet_is_imbalanced() -> None:
 
 
 def test_guard_demotes_a_worker_above_the_bound() -> None:
-    guard = BoundedLoadGuard(epsilon=0.25, slack=0)
+    guard = BoundedLoadGuard(BoundedLoadGuard.Params(epsilon=0.25, slack=0))
     hot, cold = FakeWorker("hot", inflight=10), FakeWorker("cold", inflight=0)
     ctx = Context(model="m")
     assert [w.id for w in guard.apply(ctx, [hot, cold])] == ["cold", "hot"]
@@ -126,7 +126,7 @@ def test_guard_demotes_a_worker_above_the_bound() -> None:
 
 
 def test_guard_keeps_affinity_under_light_load() -> None:
-    guard = BoundedLoadGuard(epsilon=0.25, slack=2)
+    guard = BoundedLoadGuard(BoundedLoadGuard.Params(epsilon=0.25, slack=2))
     holder, idle = FakeWorker("a", inflight=1), FakeWorker("b", inflight=0)
     assert guard.apply(Context(model="m"), [holder, idle])[0].id == "a"
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import pytest
 
 from router.scheduler.framework import Context, Scheduler
-from router.scheduler.pickers import MaxScorePicker
-from router.scheduler.policies import build_scheduler
+from router.scheduler.pickers import ConsistentHashPicker, MaxScorePicker
+from router.scheduler.policies import PolicyError, build_scheduler
+from router.scheduler.scorers import KVAwareScorer, SessionAffinityScorer
 
 
 @dataclass
@@ -105,6 +106,7 @@ def test_max_inflight_filter_drops_full_workers() -> None:
 def test_weighted_scorers_are_averaged() -> None:
     class Prefers(str):
         name = "prefers"
+        uses_prefix = False
 
         def score(self, ctx: Context, workers: list) -> list[float]:
             return [1.0 if w.id == self else 0.0 for w in workers]
@@ -128,3 +130,72 @@ def test_unknown_policy_is_rejected(bad: str) -> None:
 def test_unknown_scorer_is_rejected() -> None:
     with pytest.raises(ValueError, match="unknown scorer"):
         build_scheduler("custom", {"scorers": {"vibes": 1.0}})
+
+
+def test_an_option_typo_names_the_field_and_the_allowed_ones() -> None:
+    with pytest.raises(PolicyError) as err:
+        build_scheduler("kv_aware", {"prefil_weight": 1})
+    message = str(err.value)
+    assert "'prefil_weight'" in message and "prefill_weight" in message
+    assert "tie_tolerance" in message and "\n" not in message
+
+
+def test_named_policy_options_reach_the_component_that_declares_them() -> None:
+    scheduler = build_scheduler("kv_aware", {"prefill_weight": 2.5, "tie_tolerance": 0.1})
+    scorer = scheduler.scorers[0][0]
+    assert isinstance(scorer, KVAwareScorer) and scorer.prefill_weight == 2.5
+    assert isinstance(scheduler.picker, MaxScorePicker) and scheduler.picker.tie_tolerance == 0.1
+
+
+def test_kv_aware_weights_default_to_their_params_model() -> None:
+    scorer = build_scheduler("kv_aware").scorers[0][0]
+    assert isinstance(scorer, KVAwareScorer)
+    defaults = KVAwareScorer.Params()
+    assert (scorer.prefill_weight, scorer.replication_weight) == (
+        defaults.prefill_weight,
+        defaults.replication_weight,
+    )
+
+
+def test_an_option_of_the_wrong_type_names_the_field() -> None:
+    with pytest.raises(PolicyError, match="load_factor"):
+        build_scheduler("consistent_hash", {"load_factor": 0.5})
+
+
+def test_an_option_the_policy_has_no_component_for_is_rejected() -> None:
+    with pytest.raises(PolicyError, match="'temperature'"):
+        build_scheduler("round_robin", {"temperature": 0.1})
+
+
+def test_custom_scorer_takes_its_own_options() -> None:
+    scheduler = build_scheduler(
+        "custom", {"scorers": {"kv_aware": {"weight": 2, "decode_weight": 0.5}}}
+    )
+    scorer, weight = scheduler.scorers[0]
+    assert isinstance(scorer, KVAwareScorer) and (scorer.decode_weight, weight) == (0.5, 2.0)
+
+
+def test_custom_scorer_rejects_an_option_typo() -> None:
+    with pytest.raises(PolicyError, match="unknown option 'decod_weight'"):
+        build_scheduler("custom", {"scorers": {"kv_aware": {"decod_weight": 0.5}}})
+
+
+def test_custom_policy_without_scorers_or_picker_is_an_error() -> None:
+    with pytest.raises(PolicyError, match="least_load"):
+        build_scheduler("custom")
+
+
+def test_unknown_picker_is_rejected() -> None:
+    with pytest.raises(PolicyError, match="unknown picker 'fastest'"):
+        build_scheduler("custom", {"picker": {"name": "fastest"}})
+
+
+def test_session_scorer_and_consistent_hash_agree_on_the_home_worker() -> None:
+    workers = fleet(0, 0, 0, 0, 0)
+    picker = ConsistentHashPicker()
+    scorer = SessionAffinityScorer()
+    for i in range(100):
+        ctx = Context(model="m", session_key=f"user-{i}")
+        scores = scorer.score(ctx, workers)
+        home = workers[scores.index(1.0)]
+        assert picker.order(ctx, workers, [0.0] * len(workers))[0] is home
