@@ -1,42 +1,41 @@
-"""The embedded balancer: registry, health, load accounting and DP-rank choice in one object.
+"""The embedded balancer: registry, load accounting, passive health and DP-rank choice.
 
-The router calls ``candidates``/``begin``/``first_token``/``end``/``choose_rank`` on
-every request, so those are synchronous and touch only in-memory state. Everything
-that does I/O (probes, model refresh, metric scrapes, discovery, Redis sharing) runs
-in background tasks started by ``start``.
+The router calls ``candidates``/``begin``/``first_token``/``end``/``choose_rank``/
+``address`` on every request, so those are synchronous and touch only in-memory
+state. The I/O runs in components ``start`` starts: the prober (``balancer.probe``:
+probes, model refresh, metric scrapes) and the sources (file, Kubernetes, Redis).
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
+from functools import cache
+from types import MappingProxyType
 from typing import Any, Protocol
-
-import aiohttp
-import orjson
 
 from balancer import dp
 from balancer.filesource import FileSource
 from balancer.health import Circuit
-from balancer.scrape import Scrape, parse_metrics
+from balancer.probe import Prober
 from balancer.settings import BalancerSettings
 from balancer.shared import RedisShare
-from balancer.worker import (
-    EngineSample,
-    Outcome,
-    RankCounters,
-    Role,
-    Ticket,
-    Worker,
-    WorkerSpec,
-)
+from balancer.view import Listener
+from balancer.worker import Outcome, RankCounters, Role, Ticket, Worker, WorkerSpec
 
 log = logging.getLogger("switchyard.balancer")
 
-Listener = Callable[[str, Worker], None]
+# vLLM's and SGLang's header naming the DP rank that should serve a request.
+RANK_HEADER = "X-data-parallel-rank"
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+@cache
+def _rank_headers(rank: int) -> Mapping[str, str]:
+    """The rank header, built once per rank (read-only: callers merge, never mutate)."""
+    return MappingProxyType({RANK_HEADER: str(rank)})
 
 
 class Source(Protocol):
@@ -63,11 +62,8 @@ class Fleet:
         self._workers: dict[str, Worker] = {}
         self._pools: dict[tuple[str | None, Role], list[Worker]] = {}
         self._listeners: list[Listener] = []
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._wake: dict[str, asyncio.Event] = {}
         self._sources: list[Source] = []
-        self._session: aiohttp.ClientSession | None = None
-        self._started = False
+        self._prober: Prober | None = None
         self._ticket_ids = itertools.count(1)
         self.shared: RedisShare | None = None
         for text in self.settings.workers:
@@ -78,14 +74,10 @@ class Fleet:
     # Lifecycle
 
     async def start(self) -> None:
-        if self._started:
+        if self._prober is not None:
             return
-        self._started = True
-        self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout)
-        )
-        for worker in list(self._workers.values()):
-            self._spawn(worker)
+        self._prober = Prober(self)
+        await self._prober.start()
         s = self.settings
         if s.redis_url:
             self.shared = RedisShare(self, s.redis_url)
@@ -101,21 +93,15 @@ class Fleet:
             await source.start()
 
     async def stop(self) -> None:
-        if not self._started:
+        prober = self._prober
+        if prober is None:
             return
-        self._started = False
         for source in reversed(self._sources):
             await source.stop()
         self._sources.clear()
         self.shared = None
-        tasks = list(self._tasks.values())
-        self._tasks.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._prober = None
+        await prober.stop()
 
     # Registry
 
@@ -135,8 +121,8 @@ class Fleet:
         worker = Worker(spec, self.settings, source)
         self._workers[worker.id] = worker
         self._pools.clear()
-        if self._started:
-            self._spawn(worker)
+        if self._prober is not None:
+            self._prober.watch(worker)
         self._notify("added", worker)
         if source == "admin" and self.shared is not None:
             self.shared.publish_add(spec)
@@ -147,10 +133,8 @@ class Fleet:
         if worker is None:
             return False
         self._pools.clear()
-        task = self._tasks.pop(worker_id, None)
-        if task is not None:
-            task.cancel()
-        self._wake.pop(worker_id, None)
+        if self._prober is not None:
+            self._prober.forget(worker_id)
         self._notify("removed", worker)
         if broadcast and worker.source == "admin" and self.shared is not None:
             self.shared.publish_remove(worker_id)
@@ -172,12 +156,15 @@ class Fleet:
             self.remove(worker_id, broadcast=broadcast)
         return True
 
-    def undrain(self, worker_id: str) -> bool:
+    def undrain(self, worker_id: str, *, broadcast: bool = True) -> bool:
+        """Take new requests again (and cancel a pending remove-when-idle)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return False
         worker.draining = worker.remove_when_idle = False
         self._notify("changed", worker)
+        if broadcast and worker.source == "admin" and self.shared is not None:
+            self.shared.publish_undrain(worker.spec)
         return True
 
     def get(self, worker_id: str) -> Worker | None:
@@ -195,6 +182,23 @@ class Fleet:
     def subscribe(self, callback: Listener) -> None:
         """``callback(event, worker)`` with event "added", "removed" or "changed"."""
         self._listeners.append(callback)
+
+    # What the prober saw
+
+    def set_healthy(self, worker: Worker, healthy: bool, reason: str = "") -> None:
+        """Active health changed: a recovered worker warms up again from slow start."""
+        worker.healthy = healthy
+        if healthy:
+            worker.warm_since = time.monotonic()
+            log.info("worker %s healthy", worker.id)
+        else:
+            log.warning("worker %s unhealthy: %s", worker.id, reason)
+        self._notify("changed", worker)
+
+    def set_models(self, worker: Worker, models: set[str]) -> None:
+        worker.models = models
+        self._pools.clear()
+        self._notify("changed", worker)
 
     # Hot path
 
@@ -316,10 +320,16 @@ class Fleet:
         worker._rr = (worker._rr + 1) % len(worker.ranks)
         return worker._rr
 
-    def rank_url(self, worker: Worker, rank: int) -> str:
-        if worker.spec.dp_mode == "urls" and 0 <= rank < len(worker.spec.rank_urls):
-            return worker.spec.rank_urls[rank]
-        return worker.url
+    def address(self, worker: Worker, rank: int | None) -> tuple[str, Mapping[str, str]]:
+        """Where a request for ``rank`` goes: the rank's own URL ("urls" mode, rank 0 when
+        none was chosen), or the worker's URL plus the rank header ("header" mode)."""
+        spec = worker.spec
+        if spec.dp_mode == "urls":
+            i = rank or 0
+            return (spec.rank_urls[i] if 0 <= i < len(spec.rank_urls) else worker.url), NO_HEADERS
+        if rank is None:
+            return worker.url, NO_HEADERS
+        return worker.url, _rank_headers(rank)
 
     # Passive health
 
@@ -338,8 +348,8 @@ class Fleet:
         if failed:
             worker.last_error = str(outcome)
             self._maybe_eject(worker)
-            if outcome is Outcome.CONNECT_ERROR:
-                self._wake_probe(worker)
+            if outcome is Outcome.CONNECT_ERROR and self._prober is not None:
+                self._prober.wake(worker)
 
     def _maybe_eject(self, worker: Worker) -> None:
         s = self.settings
@@ -357,144 +367,6 @@ class Fleet:
         window.clear()
         log.warning("ejected outlier %s for %.1fs", worker.id, s.outlier_ejection_time)
         self._notify("changed", worker)
-
-    # Background work per worker
-
-    def _spawn(self, worker: Worker) -> None:
-        self._wake[worker.id] = asyncio.Event()
-        self._tasks[worker.id] = asyncio.get_running_loop().create_task(
-            self._watch_worker(worker), name=f"balancer:{worker.id}"
-        )
-
-    def _wake_probe(self, worker: Worker) -> None:
-        event = self._wake.get(worker.id)
-        if event is not None:
-            event.set()
-
-    async def _watch_worker(self, worker: Worker) -> None:
-        s = self.settings
-        next_probe = next_scrape = next_models = 0.0
-        last_probe = float("-inf")
-        event = self._wake[worker.id]
-        while True:
-            now = time.monotonic()
-            if event.is_set():
-                event.clear()
-                if now - last_probe > min(0.05, s.probe_interval):
-                    next_probe = now
-            if now >= next_probe:
-                last_probe = now
-                await self._probe(worker)
-                next_probe = time.monotonic() + s.probe_interval
-            if worker.healthy and (not worker.models or now >= next_models):
-                if not worker.spec.models:
-                    await self._refresh_models(worker)
-                next_models = time.monotonic() + (
-                    s.model_refresh_interval if worker.models else s.probe_interval
-                )
-            if worker.healthy and now >= next_scrape:
-                await self._scrape(worker)
-                next_scrape = time.monotonic() + s.scrape_interval
-            wait = min(next_probe, next_scrape, next_models) - time.monotonic()
-            try:
-                await asyncio.wait_for(event.wait(), timeout=max(wait, 0.01))
-            except TimeoutError:
-                pass
-
-    async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        assert self._session is not None
-        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            return resp.status, await resp.read()
-
-    async def _probe(self, worker: Worker) -> None:
-        s = self.settings
-        try:
-            status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout)
-            ok, error = 200 <= status < 300, f"probe status {status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            ok, error = False, f"probe {type(exc).__name__}"
-        if worker.id not in self._workers:
-            return
-        if ok:
-            worker.probe_failures = 0
-            worker.probe_successes += 1
-            if not worker.healthy and worker.probe_successes >= s.healthy_threshold:
-                worker.healthy = True
-                worker.warm_since = time.monotonic()
-                log.info("worker %s healthy", worker.id)
-                self._notify("changed", worker)
-            return
-        worker.probe_successes = 0
-        worker.probe_failures += 1
-        worker.last_error = error
-        if worker.healthy and worker.probe_failures >= s.unhealthy_threshold:
-            worker.healthy = False
-            log.warning("worker %s unhealthy: %s", worker.id, error)
-            self._notify("changed", worker)
-
-    async def _refresh_models(self, worker: Worker) -> None:
-        try:
-            status, body = await self._get(worker.url + "/v1/models", self.settings.probe_timeout)
-            if status != 200:
-                return
-            data = orjson.loads(body).get("data", [])
-            models = {str(item["id"]) for item in data if isinstance(item, dict) and "id" in item}
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
-            log.debug("model refresh of %s failed: %s", worker.id, exc)
-            return
-        if models and models != worker.models and worker.id in self._workers:
-            worker.models = models
-            self._pools.clear()
-            self._notify("changed", worker)
-
-    async def _scrape(self, worker: Worker) -> None:
-        s = self.settings
-        urls = worker.spec.rank_urls if worker.spec.dp_mode == "urls" else [worker.url]
-        samples = []
-        for url in urls:
-            try:
-                status, body = await self._get(url + "/metrics", s.scrape_timeout)
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                status, body = 0, b""
-            if status != 200:
-                for counters in worker.ranks:
-                    counters.hidden_tokens = 0
-                return
-            samples.append(parse_metrics(body.decode("utf-8", "replace")))
-        self.apply_scrape(worker, samples)
-
-    def apply_scrape(self, worker: Worker, samples: list[Scrape]) -> None:
-        """Take in one scrape: the whole worker's, or one per rank URL in "urls" mode.
-
-        Also sets each rank's ``hidden_tokens``: KV tokens the engine holds beyond the
-        router-side count (generated tokens, other clients), which ``step_balanced`` adds.
-        """
-        if not samples or samples[0].total is None:
-            return
-        if worker.flavor is None and samples[0].flavor is not None:
-            worker.flavor = samples[0].flavor
-        if len(samples) == 1:
-            worker.engine = samples[0].total
-            worker.engine_ranks = dict(samples[0].ranks)
-            if not worker.engine_ranks and len(worker.ranks) == 1 and worker.engine is not None:
-                worker.engine_ranks = {0: worker.engine}
-        else:
-            totals = [x.total for x in samples if x.total is not None]
-            kvs = [t.kv_usage for t in totals if t.kv_usage is not None]
-            worker.engine = EngineSample(
-                running=sum(t.running for t in totals),
-                waiting=sum(t.waiting for t in totals),
-                kv_usage=sum(kvs) / len(kvs) if kvs else None,
-            )
-            worker.engine_ranks = {i: x.total for i, x in enumerate(samples) if x.total}
-        for i, counters in enumerate(worker.ranks):
-            sample = worker.engine_ranks.get(i)
-            if sample is None or sample.kv_tokens is None:
-                counters.hidden_tokens = 0
-            else:
-                counters.hidden_tokens = max(sample.kv_tokens - dp.rank_tokens(counters), 0)
-        worker.scraped_at = time.monotonic()
-        worker.sent_since_scrape = 0
 
     # Internals
 

@@ -1,10 +1,11 @@
-"""``RemoteFleet``: the Fleet interface backed by a balancer service (``--balancer URL``).
+"""``RemoteFleet``: a ``FleetView`` backed by a balancer service (``--balancer URL``).
 
 The hot-path methods stay local and synchronous: candidates come from a mirror of
 ``GET /v1/workers`` refreshed in the background, and ticket begin/first-token/end
 are applied to the mirror at once and reported to the service without waiting
 (each ticket's reports are kept in order). The service stays the authority on
-health and on everyone's in-flight counts.
+health and on everyone's in-flight counts. The mirror is a ``Fleet`` this class
+never starts: its registry and accounting, without probes or sources.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -22,27 +24,28 @@ from balancer.fleet import Fleet
 from balancer.health import Circuit
 from balancer.settings import BalancerSettings
 from balancer.shared import set_remote
-from balancer.worker import Outcome, Ticket, Worker, WorkerSpec
+from balancer.view import Listener
+from balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
 
 log = logging.getLogger("switchyard.balancer.remote")
 
 Call = tuple[str, str, dict[str, Any] | None, dict[str, str] | None]
 
 
-class RemoteFleet(Fleet):
+class RemoteFleet:
     def __init__(
         self,
         base_url: str,
         *,
-        admin_key: str | None = None,
+        api_key: str | None = None,
         refresh_interval: float = 0.5,
         settings: BalancerSettings | None = None,
     ) -> None:
-        # Set before Fleet.__init__, which adds the settings' static workers through
-        # this class's add() (queued to the service until start()).
         settings = settings or BalancerSettings()
+        self.settings = settings
         self.base_url = base_url.rstrip("/")
-        self.admin_key = admin_key or settings.admin_key
+        # Sent on every call: the service's admin key (to add workers) or its data key.
+        self.api_key = api_key or settings.admin_api_key
         self.refresh_interval = refresh_interval
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
@@ -51,12 +54,16 @@ class RemoteFleet(Fleet):
         self._reports: dict[str, asyncio.Task[None] | None] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._queued: list[Call] = []
-        super().__init__(settings)
+        self._mirror_fleet = Fleet(settings.model_copy(update={"workers": []}))
+        # The settings' static workers are registered with the service (queued until start).
+        for text in settings.workers:
+            self.add(WorkerSpec.parse(text))
 
     async def start(self) -> None:
         if self._http is not None:
             return
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5), headers=auth)
         for method, path, body, params in self._queued:
             await self._call(method, path, body, params)
         self._queued.clear()
@@ -84,18 +91,17 @@ class RemoteFleet(Fleet):
         seen = set()
         for item in listing.get("workers", []):
             spec = WorkerSpec.from_any(item["spec"])
-            worker = super().add(spec, source=item.get("source", "remote"))
+            worker = self._mirror_fleet.add(spec, source=item.get("source", "remote"))
             seen.add(worker.id)
             self._mirror(worker, item)
         for worker in self.workers():
             if worker.id not in seen:
-                super().remove(worker.id, broadcast=False)
+                self._mirror_fleet.remove(worker.id, broadcast=False)
 
     def _mirror(self, worker: Worker, item: dict[str, Any]) -> None:
         models = set(item.get("models") or [])
         if models != worker.models:
-            worker.models = models
-            self._pools.clear()
+            self._mirror_fleet.set_models(worker, models)
         worker.healthy = bool(item.get("healthy", True))
         worker.draining = bool(item.get("draining", False))
         worker.ejected_until = time.monotonic() + 3600 if item.get("ejected") else 0.0
@@ -138,10 +144,9 @@ class RemoteFleet(Fleet):
     ) -> None:
         if self._http is None:
             return
-        headers = {"X-Admin-Key": self.admin_key} if self.admin_key else None
         try:
             async with self._http.request(
-                method, self.base_url + path, json=body, params=params, headers=headers
+                method, self.base_url + path, json=body, params=params
             ) as resp:
                 if resp.status >= 400:
                     log.warning("balancer %s %s -> %s", method, path, resp.status)
@@ -174,6 +179,20 @@ class RemoteFleet(Fleet):
         task.add_done_callback(self._pending.discard)
         return task
 
+    # Hot path: the mirror answers, the service hears about tickets
+
+    def candidates(self, model: str | None, role: Role = Role.UNIFIED) -> list[Worker]:
+        return self._mirror_fleet.candidates(model, role)
+
+    def choose_rank(self, worker: Worker, *, prompt_tokens: int = 0) -> int | None:
+        return self._mirror_fleet.choose_rank(worker, prompt_tokens=prompt_tokens)
+
+    def address(self, worker: Worker, rank: int | None) -> tuple[str, Mapping[str, str]]:
+        return self._mirror_fleet.address(worker, rank)
+
+    def progress(self, ticket: Ticket, generated_tokens: int) -> None:
+        self._mirror_fleet.progress(ticket, generated_tokens)
+
     def begin(
         self,
         worker: Worker,
@@ -182,7 +201,7 @@ class RemoteFleet(Fleet):
         dp_rank: int | None = None,
         prefill_tokens: int | None = None,
     ) -> Ticket:
-        ticket = super().begin(
+        ticket = self._mirror_fleet.begin(
             worker, prompt_tokens=prompt_tokens, dp_rank=dp_rank, prefill_tokens=prefill_tokens
         )
         ticket.id = f"{self._prefix}-{next(self._ids)}"
@@ -198,7 +217,7 @@ class RemoteFleet(Fleet):
     def first_token(self, ticket: Ticket) -> None:
         if ticket.decoding or ticket.done:
             return
-        super().first_token(ticket)
+        self._mirror_fleet.first_token(ticket)
         previous = self._reports.get(ticket.id)
         self._reports[ticket.id] = self._send(
             "POST", f"/v1/tickets/{ticket.id}/first_token", after=previous
@@ -207,29 +226,57 @@ class RemoteFleet(Fleet):
     def end(self, ticket: Ticket, outcome: Outcome) -> None:
         if ticket.done:
             return
-        super().end(ticket, outcome)
+        self._mirror_fleet.end(ticket, outcome)
         previous = self._reports.pop(ticket.id, None)
         path = f"/v1/tickets/{ticket.id}/end"
         self._send("POST", path, {"outcome": str(outcome)}, after=previous)
 
-    # Admin, forwarded
+    # Admin, applied to the mirror and forwarded (workers are named by ``?url=``)
 
     def add(self, spec: WorkerSpec, source: str = "admin") -> Worker:
-        worker = super().add(spec, source=source)
+        worker = self._mirror_fleet.add(spec, source=source)
         self._send("POST", "/admin/workers", spec.to_dict())
         return worker
 
     def remove(self, worker_id: str, *, broadcast: bool = True) -> bool:
-        removed = super().remove(worker_id, broadcast=False)
+        removed = self._mirror_fleet.remove(worker_id, broadcast=False)
         if broadcast:
-            self._send("DELETE", "/admin/workers", params={"id": worker_id})
+            self._send("DELETE", "/admin/workers", params={"url": worker_id})
         return removed
 
     def drain(
         self, worker_id: str, *, remove_when_idle: bool = False, broadcast: bool = True
     ) -> bool:
-        drained = super().drain(worker_id, remove_when_idle=remove_when_idle, broadcast=False)
+        drained = self._mirror_fleet.drain(
+            worker_id, remove_when_idle=remove_when_idle, broadcast=False
+        )
         if broadcast and drained:
-            params = {"id": worker_id, "remove_when_idle": str(remove_when_idle).lower()}
+            params = {"url": worker_id, "remove_when_idle": str(remove_when_idle).lower()}
             self._send("POST", "/admin/workers/drain", params=params)
         return drained
+
+    def undrain(self, worker_id: str, *, broadcast: bool = True) -> bool:
+        undrained = self._mirror_fleet.undrain(worker_id, broadcast=False)
+        if broadcast and undrained:
+            self._send("POST", "/admin/workers/undrain", params={"url": worker_id})
+        return undrained
+
+    # Reads, from the mirror
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._mirror_fleet.get(worker_id)
+
+    def workers(self) -> list[Worker]:
+        return self._mirror_fleet.workers()
+
+    def models(self) -> list[str]:
+        return self._mirror_fleet.models()
+
+    def has_model(self, model: str) -> bool:
+        return self._mirror_fleet.has_model(model)
+
+    def subscribe(self, callback: Listener) -> None:
+        self._mirror_fleet.subscribe(callback)
+
+    def describe(self) -> list[dict[str, Any]]:
+        return self._mirror_fleet.describe()

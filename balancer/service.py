@@ -230,16 +230,14 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
         if req.begin:
             ticket = fleet.begin(worker, prompt_tokens=req.prompt_tokens, dp_rank=rank)
             ticket_id = tickets.add(ticket)
-        headers = {} if rank is None else {"X-data-parallel-rank": str(rank)}
-        if worker.spec.dp_mode == "urls":
-            headers = {}
+        rank_url, headers = fleet.address(worker, rank)
         return PickResponse(
             worker_id=worker.id,
             url=worker.url,
             rank=rank,
-            rank_url=fleet.rank_url(worker, rank or 0),
+            rank_url=rank_url,
             ticket=ticket_id,
-            headers=headers,
+            headers=dict(headers),
         )
 
     @app.post("/v1/tickets")

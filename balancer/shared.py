@@ -5,8 +5,9 @@ counters into one hash whose TTL is a lease it renews every sync; peers sum the
 snapshots of the live instances. A crashed instance stops renewing, its hash
 expires, and its counts vanish from everyone's view after one lease.
 
-Registry: workers added, removed or drained through the admin API are stored in a
-hash (so a new replica starts with them) and broadcast on a pub/sub channel.
+Registry: workers added, removed, drained or undrained through the admin API are
+broadcast on a pub/sub channel; the hash a new replica starts from holds the admin
+workers that take requests (a drain takes a worker out of it, an undrain puts it back).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from balancer.worker import RankCounters, WorkerSpec
 
@@ -102,8 +104,8 @@ class RedisShare:
 
     # In-flight counts
 
-    def _own_counts(self) -> dict[str, str]:
-        out = {}
+    def _own_counts(self) -> dict[FieldT, EncodableT]:
+        out: dict[FieldT, EncodableT] = {}
         for worker in self.fleet.workers():
             for rank, counters in enumerate(worker.ranks):
                 values = counters.local_tuple()
@@ -171,6 +173,10 @@ class RedisShare:
     def publish_drain(self, worker_id: str) -> None:
         self._send({"op": "drain", "id": worker_id}, hdel=worker_id)
 
+    def publish_undrain(self, spec: WorkerSpec) -> None:
+        data = spec.to_dict()
+        self._send({"op": "undrain", "id": spec.url}, hset=(spec.url, orjson.dumps(data).decode()))
+
     def _send(
         self,
         message: dict[str, Any],
@@ -226,6 +232,8 @@ class RedisShare:
                 self.fleet.remove(str(data["id"]))
             elif op == "drain":
                 self.fleet.drain(str(data["id"]))
+            elif op == "undrain":
+                self.fleet.undrain(str(data["id"]))
         except (KeyError, ValueError, TypeError) as exc:
             log.error("bad registry message %r: %s", data, exc)
         finally:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer import BalancerSettings, Fleet, Outcome, Ticket, WorkerSpec
+from balancer.probe import apply_scrape
 from balancer.scrape import Scrape
 from balancer.worker import EngineSample
 from mockengine.engine.api import EngineRequest
@@ -195,7 +196,7 @@ def run(
             ratios.append((max(work) / mean, step_time))
         t += step_time
         if scrape_ms and t >= next_scrape:
-            fleet.apply_scrape(worker, [scrape(cores, config)])
+            apply_scrape(worker, [scrape(cores, config)])
             next_scrape = t + scrape_ms / 1000
         for seq in progressed:
             ticket = tickets[seq.request_id]

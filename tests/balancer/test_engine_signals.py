@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from balancer import BalancerSettings, Fleet, WorkerSpec
+from balancer.probe import apply_scrape
 from balancer.scrape import Scrape, parse_metrics
 from balancer.worker import EngineSample
 from tests.balancer.fleet_stubs import StubFactory, eventually
@@ -68,7 +69,7 @@ def test_engine_kv_beyond_router_counts_steers_step_balanced() -> None:
     fleet.begin(worker, prompt_tokens=1000, dp_rank=0)
     fleet.begin(worker, prompt_tokens=1000, dp_rank=1)
     ranks = {0: EngineSample(1, 0, 0.5, 30000), 1: EngineSample(1, 0, 0.05, 1000)}
-    fleet.apply_scrape(worker, [Scrape("vllm", EngineSample(2, 0, 0.3), ranks)])
+    apply_scrape(worker, [Scrape("vllm", EngineSample(2, 0, 0.3), ranks)])
     assert [r.hidden_tokens for r in worker.ranks] == [29000, 0]
     assert fleet.choose_rank(worker, prompt_tokens=100) == 1
 

@@ -90,13 +90,25 @@ def test_step_balanced_spreads_equal_requests_over_all_ranks() -> None:
     assert sorted(ranks) == list(range(8))
 
 
-def test_rank_url_uses_per_rank_urls_in_urls_mode() -> None:
-    fleet = fleet_with("least_requests", "http://h:1;ranks=http://h:1|http://h:2")
+def test_address_of_a_url_per_rank_worker_is_the_ranks_url_without_a_rank_header() -> None:
+    fleet = fleet_with("least_requests", "http://h:1;ranks=http://h:3|http://h:4")
     worker = fleet.workers()[0]
     assert worker.dp_size == 2 and worker.spec.dp_mode == "urls"
-    assert fleet.rank_url(worker, 1) == "http://h:2"
-    header_mode = fleet_with("least_requests")
-    assert header_mode.rank_url(header_mode.workers()[0], 3) == "http://127.0.0.1:9"
+    assert fleet.address(worker, 1) == ("http://h:4", {})
+    assert fleet.address(worker, 0) == ("http://h:3", {})
+
+
+def test_address_of_a_header_rank_worker_is_its_url_with_the_rank_header() -> None:
+    fleet = fleet_with("least_requests")
+    worker = fleet.workers()[0]
+    url, headers = fleet.address(worker, 3)
+    assert (url, dict(headers)) == ("http://127.0.0.1:9", {"X-data-parallel-rank": "3"})
+
+
+def test_address_without_a_rank_is_the_worker_url_alone() -> None:
+    fleet = fleet_with("least_requests", "http://127.0.0.1:9")
+    worker = fleet.workers()[0]
+    assert fleet.address(worker, None) == ("http://127.0.0.1:9", {})
 
 
 def test_service_tickets_nobody_ends_expire_as_aborts() -> None:

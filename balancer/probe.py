@@ -1,0 +1,199 @@
+"""Active health: one background task per worker probes it, learns its models, scrapes its metrics.
+
+The fleet owns the registry and decides what a result means for routing; this module
+only does the I/O and tells the fleet what it saw (``set_healthy``, ``set_models``).
+A connect error on the request path wakes a worker's task for an early probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+
+from balancer import dp
+from balancer.scrape import Scrape, parse_metrics
+from balancer.worker import EngineSample, Worker
+
+if TYPE_CHECKING:
+    from balancer.fleet import Fleet
+
+log = logging.getLogger("switchyard.balancer.probe")
+
+# Shortest gap between a wake-up probe and the probe before it.
+_MIN_WAKE_GAP_S = 0.05
+
+
+class Prober:
+    """Runs the probe/model/scrape loop of every worker of ``fleet`` while started."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.settings = fleet.settings
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout)
+        )
+        for worker in self.fleet.workers():
+            self.watch(worker)
+
+    async def stop(self) -> None:
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        self._wake.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def watch(self, worker: Worker) -> None:
+        """Start the worker's loop (a newly registered worker)."""
+        self._wake[worker.id] = asyncio.Event()
+        self._tasks[worker.id] = asyncio.get_running_loop().create_task(
+            self._loop(worker), name=f"balancer:{worker.id}"
+        )
+
+    def forget(self, worker_id: str) -> None:
+        """Stop the loop of a worker that left the registry."""
+        task = self._tasks.pop(worker_id, None)
+        if task is not None:
+            task.cancel()
+        self._wake.pop(worker_id, None)
+
+    def wake(self, worker: Worker) -> None:
+        """Probe ``worker`` now rather than at its next interval (it just failed a connect)."""
+        event = self._wake.get(worker.id)
+        if event is not None:
+            event.set()
+
+    async def _loop(self, worker: Worker) -> None:
+        s = self.settings
+        next_probe = next_scrape = next_models = 0.0
+        last_probe = float("-inf")
+        event = self._wake[worker.id]
+        while True:
+            now = time.monotonic()
+            if event.is_set():
+                event.clear()
+                if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval):
+                    next_probe = now
+            if now >= next_probe:
+                last_probe = now
+                await self._probe(worker)
+                next_probe = time.monotonic() + s.probe_interval
+            if worker.healthy and (not worker.models or now >= next_models):
+                if not worker.spec.models:
+                    await self._refresh_models(worker)
+                next_models = time.monotonic() + (
+                    s.model_refresh_interval if worker.models else s.probe_interval
+                )
+            if worker.healthy and now >= next_scrape:
+                await self._scrape(worker)
+                next_scrape = time.monotonic() + s.scrape_interval
+            wait = min(next_probe, next_scrape, next_models) - time.monotonic()
+            try:
+                await asyncio.wait_for(event.wait(), timeout=max(wait, 0.01))
+            except TimeoutError:
+                pass
+
+    async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
+        assert self._session is not None
+        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            return resp.status, await resp.read()
+
+    def _registered(self, worker: Worker) -> bool:
+        return self.fleet.get(worker.id) is worker
+
+    async def _probe(self, worker: Worker) -> None:
+        s = self.settings
+        try:
+            status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout)
+            ok, error = 200 <= status < 300, f"probe status {status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, error = False, f"probe {type(exc).__name__}"
+        if not self._registered(worker):
+            return
+        if ok:
+            worker.probe_failures = 0
+            worker.probe_successes += 1
+            if not worker.healthy and worker.probe_successes >= s.healthy_threshold:
+                self.fleet.set_healthy(worker, True)
+            return
+        worker.probe_successes = 0
+        worker.probe_failures += 1
+        worker.last_error = error
+        if worker.healthy and worker.probe_failures >= s.unhealthy_threshold:
+            self.fleet.set_healthy(worker, False, reason=error)
+
+    async def _refresh_models(self, worker: Worker) -> None:
+        try:
+            status, body = await self._get(worker.url + "/v1/models", self.settings.probe_timeout)
+            if status != 200:
+                return
+            data = orjson.loads(body).get("data", [])
+            models = {str(item["id"]) for item in data if isinstance(item, dict) and "id" in item}
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
+            log.debug("model refresh of %s failed: %s", worker.id, exc)
+            return
+        if models and models != worker.models and self._registered(worker):
+            self.fleet.set_models(worker, models)
+
+    async def _scrape(self, worker: Worker) -> None:
+        s = self.settings
+        urls = worker.spec.rank_urls if worker.spec.dp_mode == "urls" else [worker.url]
+        samples = []
+        for url in urls:
+            try:
+                status, body = await self._get(url + "/metrics", s.scrape_timeout)
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                status, body = 0, b""
+            if status != 200:
+                for counters in worker.ranks:
+                    counters.hidden_tokens = 0
+                return
+            samples.append(parse_metrics(body.decode("utf-8", "replace")))
+        apply_scrape(worker, samples)
+
+
+def apply_scrape(worker: Worker, samples: list[Scrape]) -> None:
+    """Take in one scrape: the whole worker's, or one per rank URL in "urls" mode.
+
+    Also sets each rank's ``hidden_tokens``: KV tokens the engine holds beyond the
+    router-side count (generated tokens, other clients), which ``step_balanced`` adds.
+    """
+    if not samples or samples[0].total is None:
+        return
+    if worker.flavor is None and samples[0].flavor is not None:
+        worker.flavor = samples[0].flavor
+    if len(samples) == 1:
+        worker.engine = samples[0].total
+        worker.engine_ranks = dict(samples[0].ranks)
+        if not worker.engine_ranks and len(worker.ranks) == 1 and worker.engine is not None:
+            worker.engine_ranks = {0: worker.engine}
+    else:
+        totals = [x.total for x in samples if x.total is not None]
+        kvs = [t.kv_usage for t in totals if t.kv_usage is not None]
+        worker.engine = EngineSample(
+            running=sum(t.running for t in totals),
+            waiting=sum(t.waiting for t in totals),
+            kv_usage=sum(kvs) / len(kvs) if kvs else None,
+        )
+        worker.engine_ranks = {i: x.total for i, x in enumerate(samples) if x.total}
+    for i, counters in enumerate(worker.ranks):
+        sample = worker.engine_ranks.get(i)
+        if sample is None or sample.kv_tokens is None:
+            counters.hidden_tokens = 0
+        else:
+            counters.hidden_tokens = max(sample.kv_tokens - dp.rank_tokens(counters), 0)
+    worker.scraped_at = time.monotonic()
+    worker.sent_since_scrape = 0
