@@ -11,9 +11,18 @@ streamed tokens), ``kv_gap`` (skip that many KV-event sequence numbers) and ``kv
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from starlette.types import Receive, Send
+
+from mockengine import openai_shapes as shapes
+from mockengine.asgi import JSON, respond
+from mockengine.metrics import EngineMetrics
 
 FAULT_FIELDS = (
     "error_rate",
@@ -105,3 +114,33 @@ class Faults:
         if self.drop_after_tokens and self._rng.random() < self.drop_rate:
             return self.drop_after_tokens
         return 0
+
+
+async def inject(
+    faults: Faults,
+    metrics: EngineMetrics,
+    receive: Receive,
+    send: Send,
+    rid_header: tuple[bytes, bytes],
+) -> bool:
+    """Apply request-level faults; True when the request was answered (or swallowed)."""
+    if faults.should_crash():
+        sys.stderr.write(f"mock engine: crash fault after {faults.crash_after} requests\n")
+        sys.stderr.flush()
+        os._exit(3)
+    status = faults.error_status()
+    if status is not None:
+        metrics.fault("error")
+        body = shapes.error_body(status, f"injected fault: HTTP {status}")
+        await respond(send, status, body, JSON, [rid_header])
+        return True
+    if faults.should_hang():
+        metrics.fault("hang")
+        while (await receive())["type"] != "http.disconnect":
+            continue
+        return True
+    delay = faults.latency_s()
+    if delay:
+        metrics.fault("latency")
+        await asyncio.sleep(delay)
+    return False

@@ -16,7 +16,8 @@ from typing import Any
 import uvicorn
 import uvloop
 
-from mockengine.app import BootstrapServer, EngineServer
+from mockengine.app import EngineServer
+from mockengine.bootstrap import BootstrapServer
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.driver import RealClockEngine
 from mockengine.faults import Faults

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from mockengine.engine.api import EngineRequest, EngineStats, TokenOutput
 from mockengine.engine.config import EngineConfig
@@ -129,7 +129,7 @@ class RealClockEngine:
         for rid in list(self.core.seqs):
             self.abort(rid)
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[TokenOutput]:
+    def generate(self, request: EngineRequest) -> _Stream:
         if self._task is None or self._task.done():
             raise RuntimeError("engine is not running")
         seq = self.core.add_request(request)
