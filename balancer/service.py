@@ -2,50 +2,35 @@
 
 Routers that delegate call ``POST /v1/pick`` (the service chooses and counts the
 request) or pick themselves from ``GET /v1/workers`` and report through
-``/v1/tickets`` (what ``RemoteFleet`` does). Admin endpoints need the admin key
-when one is configured.
+``/v1/tickets`` (what ``RemoteFleet`` does). The admin API (``balancer.admin``, the
+same as the router's) is off until ``admin_api_key`` is set; the data endpoints take
+``api_key`` when one is set (see ``switchyard.auth``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query
+from fastapi import Depends, FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pydantic import BaseModel, Field
 
+from balancer.admin import admin_router
 from balancer.fleet import Fleet
 from balancer.settings import BalancerSettings
-from balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
+from balancer.worker import Outcome, Role, Ticket, Worker, normalise_url
+from switchyard.auth import admin_access, data_access, startup_line
+from switchyard.errors import APIError, install_error_handlers
 
-
-class WorkerBody(BaseModel):
-    """A worker to add: a spec string (``http://h:p;role=...``) or the spec's fields."""
-
-    spec: str | None = None
-    url: str | None = None
-    models: list[str] = []
-    role: Role = Role.UNIFIED
-    flavor: str | None = None
-    dp_size: int = 1
-    dp_mode: str = "header"
-    rank_urls: list[str] = []
-    kv_events: str | None = None
-    bootstrap_port: int | None = None
-
-    def to_spec(self) -> WorkerSpec:
-        if self.spec:
-            return WorkerSpec.parse(self.spec)
-        if not self.url:
-            raise ValueError("either 'spec' or 'url' is required")
-        return WorkerSpec.from_any(self.model_dump(exclude={"spec"}))
+log = logging.getLogger("switchyard.balancer.service")
 
 
 class PickRequest(BaseModel):
@@ -92,7 +77,7 @@ class Tickets:
     def take(self, ticket_id: str) -> Ticket:
         entry = self.open.get(ticket_id)
         if entry is None:
-            raise HTTPException(404, f"unknown ticket {ticket_id}")
+            raise APIError(404, f"Unknown ticket {ticket_id}", code="ticket_not_found")
         return entry[0]
 
     def end(self, ticket_id: str, outcome: Outcome) -> None:
@@ -176,6 +161,10 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        log.log(
+            logging.INFO if settings.admin_api_key else logging.WARNING,
+            startup_line("balancer", settings.admin_api_key, settings.api_key),
+        )
         await fleet.start()
         task = asyncio.create_task(sweep())
         try:
@@ -187,43 +176,43 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
     app = FastAPI(title="Switchyard balancer", lifespan=lifespan)
     app.state.fleet = fleet
     app.state.tickets = tickets
-
-    def admin(
-        authorization: str | None = Header(None), x_admin_key: str | None = Header(None)
-    ) -> None:
-        if not settings.admin_key:
-            return
-        given = x_admin_key or (authorization or "").removeprefix("Bearer ").strip()
-        if given != settings.admin_key:
-            raise HTTPException(401, "admin key required")
+    install_error_handlers(app)
+    needs_key = [Depends(data_access(settings.api_key, settings.admin_api_key))]
+    app.include_router(admin_router(fleet, admin_access(settings.admin_api_key)))
 
     def known(worker_id: str) -> Worker:
-        worker = fleet.get(worker_id.rstrip("/"))
+        worker = fleet.get(normalise_url(worker_id))
         if worker is None:
-            raise HTTPException(404, f"unknown worker {worker_id}")
+            raise APIError(
+                404, f"No worker {worker_id}", param="worker_id", code="worker_not_found"
+            )
         return worker
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "workers": len(fleet.workers())}
 
-    @app.get("/v1/workers")
+    @app.get("/v1/workers", dependencies=needs_key)
     async def workers() -> dict[str, Any]:
         peers = fleet.shared.peers if fleet.shared is not None else 0
         return {"workers": fleet.describe(), "peers": peers}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=needs_key)
     async def models() -> dict[str, Any]:
         data = [{"id": m, "object": "model", "owned_by": "switchyard"} for m in fleet.models()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/pick", response_model=PickResponse)
+    @app.post("/v1/pick", response_model=PickResponse, dependencies=needs_key)
     async def pick(req: PickRequest) -> PickResponse:
         candidates = [
             w for w in fleet.candidates(req.model, req.role) if w.id not in set(req.exclude)
         ]
         if not candidates:
-            raise HTTPException(503, f"no routable worker for model={req.model} role={req.role}")
+            raise APIError(
+                503,
+                f"No routable worker for model={req.model} role={req.role}",
+                code="no_routable_worker",
+            )
         worker = least_loaded(candidates)
         rank = fleet.choose_rank(worker, prompt_tokens=req.prompt_tokens)
         ticket_id = None
@@ -240,50 +229,23 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
             headers=dict(headers),
         )
 
-    @app.post("/v1/tickets")
+    @app.post("/v1/tickets", dependencies=needs_key)
     async def open_ticket(req: TicketOpen) -> dict[str, str]:
         worker = known(req.worker_id)
         if req.id and req.id in tickets.open:
-            raise HTTPException(409, f"ticket {req.id} exists")
+            raise APIError(409, f"Ticket {req.id} exists", param="id", code="ticket_exists")
         ticket = fleet.begin(worker, prompt_tokens=req.prompt_tokens, dp_rank=req.rank)
         return {"ticket": tickets.add(ticket, req.id)}
 
-    @app.post("/v1/tickets/{ticket_id}/first_token")
+    @app.post("/v1/tickets/{ticket_id}/first_token", dependencies=needs_key)
     async def first_token(ticket_id: str) -> dict[str, str]:
         fleet.first_token(tickets.take(ticket_id))
         return {"ticket": ticket_id}
 
-    @app.post("/v1/tickets/{ticket_id}/end")
+    @app.post("/v1/tickets/{ticket_id}/end", dependencies=needs_key)
     async def end_ticket(ticket_id: str, req: TicketEnd) -> dict[str, str]:
         tickets.end(ticket_id, req.outcome)
         return {"ticket": ticket_id, "outcome": str(req.outcome)}
-
-    @app.post("/admin/workers", dependencies=[Depends(admin)])
-    async def add_worker(body: WorkerBody) -> dict[str, Any]:
-        try:
-            spec = body.to_spec()
-        except ValueError as exc:
-            raise HTTPException(422, str(exc)) from exc
-        return fleet.add(spec, source="admin").describe()
-
-    @app.delete("/admin/workers", dependencies=[Depends(admin)])
-    async def remove_worker(worker_id: str = Query(..., alias="id")) -> dict[str, Any]:
-        known(worker_id)
-        return {"removed": fleet.remove(worker_id.rstrip("/"))}
-
-    @app.post("/admin/workers/drain", dependencies=[Depends(admin)])
-    async def drain_worker(
-        worker_id: str = Query(..., alias="id"), remove_when_idle: bool = False
-    ) -> dict[str, Any]:
-        worker = known(worker_id)
-        fleet.drain(worker.id, remove_when_idle=remove_when_idle)
-        return worker.describe()
-
-    @app.post("/admin/workers/undrain", dependencies=[Depends(admin)])
-    async def undrain_worker(worker_id: str = Query(..., alias="id")) -> dict[str, Any]:
-        worker = known(worker_id)
-        fleet.undrain(worker.id)
-        return worker.describe()
 
     @app.get("/metrics")
     async def metrics() -> Response:

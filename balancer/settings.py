@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.settings import ServiceSettings
@@ -15,12 +16,21 @@ class BalancerSettings(ServiceSettings):
     """Health, circuit breaking, outlier ejection, load model, DP policy and registry sources."""
 
     section = "balancer"
-    model_config = SettingsConfigDict(env_prefix="SWITCHYARD_BALANCER_", extra="ignore")
+    # The prefix applies to aliases too: old names keep their SWITCHYARD_BALANCER_ variable.
+    model_config = SettingsConfigDict(
+        env_prefix="SWITCHYARD_BALANCER_", extra="ignore", env_prefix_target="all"
+    )
 
     # Service
     host: str = "127.0.0.1"
     port: int = 8100
-    admin_key: str | None = None
+    # Keys (one, or several separated by commas), sent as "Authorization: Bearer KEY".
+    # The admin API is off without admin_api_key; the data API (picks, tickets, workers)
+    # is open without api_key and then also takes the admin key.
+    admin_api_key: str | None = Field(
+        default=None, validation_alias=AliasChoices("admin_api_key", "admin_key")
+    )
+    api_key: str | None = None
 
     # Registry sources
     workers: list[str] = []

@@ -21,8 +21,16 @@ log = logging.getLogger("switchyard.kvstore.remote")
 
 
 class RemoteKVStore:
-    def __init__(self, url: str, block_size: int = 16, timeout_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        url: str,
+        block_size: int = 16,
+        timeout_s: float = 0.05,
+        api_key: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        # Sent on every call; placements and instance clears need the service's admin key.
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         self.block_size = block_size
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.degraded = False
@@ -34,6 +42,7 @@ class RemoteKVStore:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=30),
                 json_serialize=lambda o: orjson.dumps(o).decode(),
+                headers=self._headers,
             )
         try:
             async with self._session.get(self.url + "/health", timeout=self.timeout) as r:

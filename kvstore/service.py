@@ -1,4 +1,9 @@
-"""The KV store as its own service: FastAPI control plane, OpenAPI documented."""
+"""The KV store as its own service: FastAPI control plane, OpenAPI documented.
+
+Lookups take ``api_key`` when one is set. Everything that changes the index or makes the
+store connect somewhere (events, placements, subscriptions, instance deletes) and the
+instance listing need ``admin_api_key``, and are off without it (see ``switchyard.auth``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from kvstore.events import EventDecodeError
+from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
+from switchyard.auth import admin_access, data_access, startup_line
+from switchyard.errors import APIError, install_error_handlers
 
 log = logging.getLogger("switchyard.kvstore.service")
 
@@ -91,9 +99,16 @@ class InstanceOut(BaseModel):
     feeds: list[FeedOut]
 
 
-def create_app(store: KVStore) -> FastAPI:
+def create_app(store: KVStore, settings: KVStoreSettings | None = None) -> FastAPI:
+    """The service over ``store``; ``settings`` gives its keys (none: lookups open, admin off)."""
+    settings = settings or KVStoreSettings()
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        log.log(
+            logging.INFO if settings.admin_api_key else logging.WARNING,
+            startup_line("kvstore", settings.admin_api_key, settings.api_key),
+        )
         await store.start()
         try:
             yield
@@ -106,12 +121,15 @@ def create_app(store: KVStore) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.store = store
+    install_error_handlers(app)
+    lookups = [Depends(data_access(settings.api_key, settings.admin_api_key))]
+    admin = [Depends(admin_access(settings.admin_api_key))]
 
-    @app.post("/v1/lookup", response_model=LookupResponse)
+    @app.post("/v1/lookup", response_model=LookupResponse, dependencies=lookups)
     async def lookup(req: LookupRequest) -> LookupResponse:
         """Per engine location, the longest cached prefix of this request, in tokens."""
         if req.prompt is None and req.messages is None and req.token_ids is None:
-            raise HTTPException(400, "one of prompt, messages or token_ids is required")
+            raise APIError(400, "One of prompt, messages or token_ids is required")
         res = await store.lookup(
             req.model,
             prompt=req.prompt,
@@ -138,7 +156,7 @@ def create_app(store: KVStore) -> FastAPI:
             keys=res.keys if req.include_keys else None,
         )
 
-    @app.post("/v1/events", status_code=204)
+    @app.post("/v1/events", status_code=204, dependencies=admin)
     async def push_events(
         request: Request,
         instance: str | None = Query(None, description="For msgpack bodies."),
@@ -151,25 +169,27 @@ def create_app(store: KVStore) -> FastAPI:
         try:
             if "msgpack" in ctype or "octet-stream" in ctype:
                 if not instance:
-                    raise HTTPException(400, "instance query parameter is required")
+                    raise APIError(
+                        400, "The instance query parameter is required", param="instance"
+                    )
                 await store.ingest(instance, await request.body(), seq=seq, dp_rank=dp_rank)
             else:
                 push = EventsPush.model_validate_json(await request.body())
                 await store.ingest(push.instance, push.batch, seq=push.seq, dp_rank=push.dp_rank)
         except EventDecodeError as exc:
             store.metrics.decode_errors.inc()
-            raise HTTPException(400, str(exc)) from exc
+            raise APIError(400, str(exc), code="event_decode_error") from exc
         except ValueError as exc:
-            raise HTTPException(422, str(exc)) from exc
+            raise APIError(422, str(exc)) from exc
         return Response(status_code=204)
 
-    @app.post("/v1/placements", status_code=204)
+    @app.post("/v1/placements", status_code=204, dependencies=admin)
     async def placements(p: Placement) -> Response:
         """Speculative entries: the router sent these blocks to this engine."""
         await store.record_placement(p.keys, p.instance, p.dp_rank, p.ttl_s)
         return Response(status_code=204)
 
-    @app.post("/v1/subscriptions", status_code=204)
+    @app.post("/v1/subscriptions", status_code=204, dependencies=admin)
     async def subscribe(sub: SubscriptionIn) -> Response:
         """Follow one more engine publisher (e.g. from the balancer's worker registry)."""
         try:
@@ -177,16 +197,16 @@ def create_app(store: KVStore) -> FastAPI:
                 sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank
             )
         except ValueError as exc:
-            raise HTTPException(422, str(exc)) from exc
+            raise APIError(422, str(exc), param="endpoint") from exc
         return Response(status_code=204)
 
-    @app.delete("/v1/subscriptions", status_code=204)
+    @app.delete("/v1/subscriptions", status_code=204, dependencies=admin)
     async def unsubscribe(endpoint: str = Query(description="The publisher endpoint.")) -> Response:
         """Stop following a publisher (its indexed blocks stay until cleared)."""
         await store.unsubscribe(endpoint)
         return Response(status_code=204)
 
-    @app.get("/v1/instances", response_model=list[InstanceOut])
+    @app.get("/v1/instances", response_model=list[InstanceOut], dependencies=admin)
     async def instances() -> list[InstanceOut]:
         """Known engine instances: indexed blocks per (rank, tier) and event feeds."""
         out: dict[str, InstanceOut] = {}
@@ -215,7 +235,7 @@ def create_app(store: KVStore) -> FastAPI:
             )
         return sorted(out.values(), key=lambda i: i.instance)
 
-    @app.delete("/v1/instances/{instance:path}", status_code=204)
+    @app.delete("/v1/instances/{instance:path}", status_code=204, dependencies=admin)
     async def delete_instance(instance: str, dp_rank: int | None = None) -> Response:
         """Forget an instance's blocks (all ranks, or one)."""
         await store.clear_instance(instance, dp_rank)

@@ -45,6 +45,11 @@ class KVStoreSettings(ServiceSettings):
 
     host: str = "127.0.0.1"
     port: int = 8300
+    # Keys (one, or several separated by commas), sent as "Authorization: Bearer KEY".
+    # admin_api_key guards events, subscriptions, placements and instance deletes (off
+    # without it); api_key guards lookups (open without it; the admin key works too).
+    api_key: str | None = None
+    admin_api_key: str | None = None
     redis: str | None = None  # redis://host:port/db; memory index when unset
     redis_prefix: str = "switchyard:kv:"
     redis_idle_ttl_s: float = 3600.0

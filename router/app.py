@@ -30,6 +30,7 @@ from router.relay import HOP_BY_HOP, Relay
 from router.request import DATA_ROUTES, RoutedRequest, parse
 from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
+from switchyard.auth import data_access
 
 log = logging.getLogger("switchyard.router")
 
@@ -122,7 +123,7 @@ class RouterApp:
             max_attempts=settings.max_attempts,
             kv=self.kv,
         )
-        self._api_key = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.api_key = data_access(settings.api_key)
         self._routes = {route: route for route in DATA_ROUTES}
         self.control = build_control_app(self)
 
@@ -173,7 +174,7 @@ class RouterApp:
                 return
 
     def authorized(self, header: bytes | None) -> bool:
-        return self._api_key is None or header == self._api_key
+        return self.api_key.allows(header)
 
     async def _handle(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
@@ -197,7 +198,7 @@ class RouterApp:
                 content_length = int(value) if value.isdigit() else None
             elif key == b"authorization":
                 auth = value
-                if self._api_key is not None:
+                if self.api_key.keys:
                     continue
             if key not in HOP_BY_HOP:
                 forward_headers[key.decode("latin-1")] = value.decode("latin-1")

@@ -2,37 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from pydantic import BaseModel, Field
-from starlette.exceptions import HTTPException
 
-from balancer.worker import Role, WorkerSpec
-from router.errors import RouterError, error_body
+from balancer.admin import admin_router
+from router.errors import RouterError
+from switchyard.auth import admin_access, startup_line
+from switchyard.errors import install_error_handlers
 
 if TYPE_CHECKING:
     from router.app import RouterApp
 
-
-class WorkerIn(BaseModel):
-    """A worker to add; ``url`` may carry options in WorkerSpec syntax (``;role=prefill``)."""
-
-    url: str
-    models: list[str] = Field(default_factory=list)
-    role: Role = Role.UNIFIED
-    flavor: str | None = None
-    dp_size: int = 1
-    dp_mode: str = "header"
-    kv_events: str | None = None
-    bootstrap_port: int | None = None
+log = logging.getLogger("switchyard.router")
 
 
 class _FleetCollector(Collector):
@@ -69,18 +58,21 @@ class _FleetCollector(Collector):
         yield healthy
         yield estimating
         if kv is not None:
-            prompt = kv.prompt._value.get()
+            prompt = _total(kv.prompt)
             yield GaugeMetricFamily(
                 "switchyard_router_fleet_hit_rate",
                 "Cached / prompt tokens the engines reported, over answered requests.",
-                value=kv.actual._value.get() / prompt if prompt else 0.0,
+                value=_total(kv.actual) / prompt if prompt else 0.0,
             )
 
 
-def _error(status: int, message: str, param: str | None = None) -> Response:
-    return Response(
-        error_body(status, message, param=param), status_code=status, media_type="application/json"
-    )
+def _total(counter: Counter) -> float:
+    """A counter's value, read through its public ``collect()``."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                return sample.value
+    return 0.0
 
 
 def build_control_app(router: RouterApp) -> FastAPI:
@@ -93,31 +85,12 @@ def build_control_app(router: RouterApp) -> FastAPI:
     fleet_collector = _FleetCollector(router)
     router.metrics.registry.register(fleet_collector)
 
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        return _error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return _error(400, f"Invalid request: {first.get('msg', exc)}", param=param)
-
-    @app.exception_handler(RouterError)
-    async def router_error(_: Request, exc: RouterError) -> Response:
-        return Response(
-            exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers
-        )
-
-    def api_key(authorization: str | None = Header(default=None)) -> None:
-        expected = router.settings.api_key
-        if expected and authorization != f"Bearer {expected}":
-            raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
-
-    def admin_key(authorization: str | None = Header(default=None)) -> None:
-        expected = router.settings.admin_api_key
-        if expected and authorization != f"Bearer {expected}":
-            raise RouterError(401, "Invalid or missing admin API key", code="invalid_api_key")
+    install_error_handlers(app)
+    settings = router.settings
+    log.log(
+        logging.INFO if settings.admin_api_key else logging.WARNING,
+        startup_line("router", settings.admin_api_key, settings.api_key),
+    )
 
     def one_registry() -> None:
         """Several processes without Redis each keep their own registry: a change made
@@ -158,7 +131,9 @@ def build_control_app(router: RouterApp) -> FastAPI:
             registry.register(fleet_collector)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(api_key)], summary="Union of the workers' models")
+    @app.get(
+        "/v1/models", dependencies=[Depends(router.api_key)], summary="Union of the workers' models"
+    )
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -168,44 +143,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
             ],
         }
 
-    @app.get("/admin/workers", dependencies=[Depends(admin_key)], summary="Workers and state")
-    async def list_workers() -> dict[str, Any]:
-        return {"workers": [w.describe() for w in router.fleet.workers()]}
-
-    changes = [Depends(admin_key), Depends(one_registry)]
-
-    @app.post("/admin/workers", dependencies=changes, status_code=201)
-    async def add_worker(worker: WorkerIn) -> dict[str, Any]:
-        try:
-            spec = (
-                WorkerSpec.parse(worker.url)
-                if ";" in worker.url
-                else WorkerSpec(
-                    url=worker.url,
-                    models=worker.models,
-                    role=worker.role,
-                    flavor=worker.flavor,
-                    dp_size=worker.dp_size,
-                    dp_mode=worker.dp_mode,
-                    kv_events=worker.kv_events,
-                    bootstrap_port=worker.bootstrap_port,
-                )
-            )
-        except ValueError as exc:
-            raise RouterError(400, str(exc), param="url") from None
-        added = router.fleet.add(spec, source="admin")
-        return added.describe()
-
-    @app.delete("/admin/workers", dependencies=changes)
-    async def remove_worker(url: str = Query(..., description="the worker's URL (its id)")) -> dict:
-        if not router.fleet.remove(WorkerSpec(url=url).url):
-            raise RouterError(404, f"No worker {url}", param="url", code="worker_not_found")
-        return {"removed": WorkerSpec(url=url).url}
-
-    @app.post("/admin/workers/drain", dependencies=changes)
-    async def drain_worker(url: str = Query(...)) -> dict[str, str]:
-        if not router.fleet.drain(WorkerSpec(url=url).url):
-            raise RouterError(404, f"No worker {url}", param="url", code="worker_not_found")
-        return {"draining": WorkerSpec(url=url).url}
+    app.include_router(
+        admin_router(router.fleet, admin_access(settings.admin_api_key), [one_registry])
+    )
 
     return app

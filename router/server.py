@@ -42,7 +42,9 @@ def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
 def build_fleet(settings: RouterSettings, config_file: str | Path | None) -> Fleet:
     balancer = BalancerSettings.load(config_file, redis_url=settings.redis)
     if settings.balancer != "embedded":
-        fleet: Fleet = RemoteFleet(settings.balancer, settings=balancer)
+        fleet: Fleet = RemoteFleet(
+            settings.balancer, api_key=settings.balancer_api_key, settings=balancer
+        )
         for spec in worker_specs(settings):
             fleet.add(spec)
         return fleet
@@ -54,7 +56,9 @@ def build_kvstore(
 ) -> KVStore | RemoteKVStore | None:
     """The KV store when the policy uses prefixes or the config points at one."""
     if settings.kvstore != "embedded":
-        return RemoteKVStore(settings.kvstore, block_size=settings.block_size)
+        return RemoteKVStore(
+            settings.kvstore, block_size=settings.block_size, api_key=settings.kvstore_api_key
+        )
     if not (wanted or settings.tokenizer or settings.kv_events):
         return None
     kv = KVStoreSettings.load(

@@ -46,6 +46,15 @@ class RouterSettings(ServiceSettings):
     )
     kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
     balancer: str = Field(default="embedded", description="'embedded' or a balancer service URL")
+    kvstore_api_key: str | None = Field(
+        default=None,
+        description="key sent to the kvstore service: its admin_api_key (placements need it)",
+    )
+    balancer_api_key: str | None = Field(
+        default=None,
+        description="key sent to the balancer service: its admin_api_key to add workers, "
+        "else its api_key",
+    )
     redis: str | None = Field(default=None, description="shared state for router replicas")
     block_size: int = 16
     speculative_ttl_s: float = 30.0

@@ -17,6 +17,13 @@ from tests.support import Server, free_port, redis_server
 pytestmark = pytest.mark.timeout(60)
 
 KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(autouse=True)
+def admin_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every balancer started here has the admin API on (it is off without a key)."""
+    monkeypatch.setenv("SWITCHYARD_BALANCER_ADMIN_API_KEY", KEY)
 
 
 @pytest.fixture
@@ -29,7 +36,7 @@ def redis_url() -> Iterator[str]:
 async def balancer(*args: str) -> AsyncIterator[Server]:
     port = free_port()
     server = Server(
-        ["balancer", "--port", str(port), "--admin-key", KEY, "--probe-interval", "0.2", *args],
+        ["balancer", "--port", str(port), "--probe-interval", "0.2", *args],
         port,
     )
     await asyncio.to_thread(server.start)
@@ -98,25 +105,21 @@ async def test_pick_spreads_requests_over_dp_ranks_with_the_rank_header(
             assert [r["inflight"] for r in ranks] == [1, 1, 1, 1]
 
 
-async def test_admin_endpoints_require_the_admin_key(stub_engine: StubFactory) -> None:
+async def test_a_worker_added_then_drained_through_the_admin_api_is_not_picked(
+    stub_engine: StubFactory,
+) -> None:
     stub = await stub_engine()
     async with balancer() as svc, httpx.AsyncClient() as client:
-        body = {"spec": f"{stub.url};models=m"}
-        denied = await client.post(svc.url + "/admin/workers", json=body)
-        assert denied.status_code == 401
-        key = {"X-Admin-Key": KEY}
-        added = await client.post(svc.url + "/admin/workers", json=body, headers=key)
-        assert added.status_code == 200 and added.json()["id"] == stub.url
-        auth = {"Authorization": f"Bearer {KEY}"}
-        drained = await client.post(
-            svc.url + "/admin/workers/drain", params={"id": stub.url}, headers=auth
-        )
-        assert drained.json()["draining"] is True
+        body = {"url": f"{stub.url};models=m"}
+        added = await client.post(svc.url + "/admin/workers", json=body, headers=AUTH)
+        assert added.status_code == 201 and added.json()["id"] == stub.url
+        await until(lambda: _has_models(client, svc, stub))
+        assert (await client.post(svc.url + "/v1/pick", json={"model": "m"})).status_code == 200
+        drain = {"url": stub.url}
+        await client.post(svc.url + "/admin/workers/drain", params=drain, headers=AUTH)
         assert (await client.post(svc.url + "/v1/pick", json={"model": "m"})).status_code == 503
-        removed = await client.delete(
-            svc.url + "/admin/workers", params={"id": stub.url}, headers=auth
-        )
-        assert removed.json() == {"removed": True}
+        removed = await client.delete(svc.url + "/admin/workers", params=drain, headers=AUTH)
+        assert removed.json() == {"removed": stub.url}
         assert await workers(client, svc) == {}
 
 
@@ -186,13 +189,12 @@ async def test_admin_changes_reach_every_balancer_sharing_redis(
     stub_engine: StubFactory, redis_url: str
 ) -> None:
     stub = await stub_engine()
-    auth = {"X-Admin-Key": KEY}
     async with (
         balancer(*shared(redis_url)) as a,
         balancer(*shared(redis_url)) as b,
         httpx.AsyncClient() as client,
     ):
-        await client.post(a.url + "/admin/workers", json={"url": stub.url}, headers=auth)
+        await client.post(a.url + "/admin/workers", json={"url": stub.url}, headers=AUTH)
 
         async def listed(server: Server, present: bool) -> bool:
             return (stub.url in await workers(client, server)) is present
@@ -200,7 +202,7 @@ async def test_admin_changes_reach_every_balancer_sharing_redis(
         await until(lambda: listed(b, True))
         async with balancer(*shared(redis_url)) as late:
             assert await listed(late, True), "a new replica loads admin-added workers"
-        await client.delete(b.url + "/admin/workers", params={"id": stub.url}, headers=auth)
+        await client.delete(b.url + "/admin/workers", params={"url": stub.url}, headers=AUTH)
         await until(lambda: listed(a, False))
 
 
@@ -209,7 +211,7 @@ async def test_remote_fleet_routes_from_the_service_and_reports_tickets(
 ) -> None:
     stub = await stub_engine()
     async with balancer("--worker", f"{stub.url};dp=2;models=m") as svc:
-        fleet = RemoteFleet(svc.url, admin_key=KEY, refresh_interval=0.1)
+        fleet = RemoteFleet(svc.url, api_key=KEY, refresh_interval=0.1)
         await fleet.start()
         try:
             assert fleet.models() == ["m"]
@@ -242,7 +244,7 @@ async def test_remote_fleet_registers_workers_added_before_start(
 ) -> None:
     stub = await stub_engine()
     async with balancer() as svc:
-        fleet = RemoteFleet(svc.url, admin_key=KEY, refresh_interval=0.1)
+        fleet = RemoteFleet(svc.url, api_key=KEY, refresh_interval=0.1)
         fleet.add(WorkerSpec.parse(f"{stub.url};models=m"))
         await fleet.start()
         try:

@@ -552,6 +552,26 @@ def test_services_mode_points_the_router_at_the_balancer_and_kvstore_services() 
         assert services[url.host] == url.port
 
 
+def _secret_env(deployment: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {
+        e["name"]: (e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+        for e in container.get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+
+
+def test_services_mode_router_sends_the_keys_the_kvstore_and_balancer_require() -> None:
+    deployments = services_mode_deployments()
+    router = _secret_env(deployments["switchyard-router"])
+    kvstore = _secret_env(deployments["switchyard-kvstore"])
+    balancer = _secret_env(deployments["switchyard-balancer"])
+    kvstore_key = kvstore["SWITCHYARD_KVSTORE_ADMIN_API_KEY"]
+    balancer_key = balancer["SWITCHYARD_BALANCER_ADMIN_API_KEY"]
+    assert router["SWITCHYARD_ROUTER_KVSTORE_API_KEY"] == kvstore_key
+    assert router["SWITCHYARD_ROUTER_BALANCER_API_KEY"] == balancer_key
+
+
 def test_services_mode_engines_leave_prefixes_to_approximate_mode() -> None:
     template = services_mode_deployments()["vllm"]["spec"]["template"]
     spec = pod_spec(_as_running_pod(template, "10.1.2.3"), 8000)
@@ -603,6 +623,9 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
             probe_interval=0.2,
         )
         raw["kvstore"].update(host="127.0.0.1", port=kvstore_port, redis=redis_url, tokenizer=tok)
+        # What the overlay's Secret gives each service: placements need the kvstore's admin key.
+        raw["kvstore"]["admin_api_key"] = raw["balancer"]["admin_api_key"] = "deploy-admin"
+        raw["router"].update(kvstore_api_key="deploy-admin", balancer_api_key="deploy-admin")
         config = tmp_path / "services.yaml"
         config.write_text(yaml.safe_dump(raw))
         for port in mocks:

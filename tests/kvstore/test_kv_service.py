@@ -21,6 +21,14 @@ pytestmark = pytest.mark.timeout(60)
 
 E = "http://127.0.0.1:8001"
 TOKENS = list(range(200, 264))
+ADMIN_KEY = "kv-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture(autouse=True)
+def admin_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kvstore service started here takes events and placements (off without a key)."""
+    monkeypatch.setenv("SWITCHYARD_KVSTORE_ADMIN_API_KEY", ADMIN_KEY)
 
 
 def stored_batch(tokens: list[int], first_hash: int) -> list:
@@ -36,6 +44,7 @@ async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() ->
             pushed = httpx.post(
                 svc.url + "/v1/events",
                 json={"instance": E, "seq": 0, "batch": stored_batch(TOKENS, 1)},
+                headers=ADMIN,
             )
             assert pushed.status_code == 204
             raw = msgpack.packb(stored_batch(TOKENS[:32], 50))
@@ -43,11 +52,11 @@ async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() ->
                 svc.url + "/v1/events",
                 params={"instance": "http://127.0.0.1:8002", "seq": 0},
                 content=raw,
-                headers={"content-type": "application/msgpack"},
+                headers={"content-type": "application/msgpack", **ADMIN},
             )
             assert pushed.status_code == 204
 
-            remote = RemoteKVStore(svc.url, timeout_s=2.0)
+            remote = RemoteKVStore(svc.url, block_size=16, timeout_s=2.0, api_key=ADMIN_KEY)
             await remote.start()
             try:
                 res = await remote.lookup(None, token_ids=TOKENS)
@@ -65,7 +74,7 @@ async def test_service_on_redis_serves_pushes_lookups_instances_and_deletes() ->
             finally:
                 await remote.stop()
 
-            instances = httpx.get(svc.url + "/v1/instances").json()
+            instances = httpx.get(svc.url + "/v1/instances", headers=ADMIN).json()
             assert {i["instance"] for i in instances} >= {E, "http://127.0.0.1:8002"}
             metrics = httpx.get(svc.url + "/metrics").text
             assert "switchyard_kvstore_lookups_total" in metrics
@@ -150,7 +159,7 @@ async def test_events_that_arrived_while_redis_was_down_are_in_the_index_once_it
 
 
 async def test_an_unreachable_kvstore_service_is_degraded_not_an_error() -> None:
-    remote = RemoteKVStore(f"http://127.0.0.1:{free_port()}", timeout_s=0.02)
+    remote = RemoteKVStore(f"http://127.0.0.1:{free_port()}", block_size=16, timeout_s=0.02)
     await remote.start()
     try:
         res = await remote.lookup(None, token_ids=TOKENS)

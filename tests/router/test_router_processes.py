@@ -18,6 +18,8 @@ from tests.support import redis_server
 pytestmark = pytest.mark.timeout(60)
 
 REQUESTS = 24
+ADMIN = ("--admin-api-key", "adm")
+AUTH = {"Authorization": "Bearer adm"}
 
 
 def router_processes(pid: int) -> list[int]:
@@ -54,25 +56,26 @@ def test_two_processes_serve_one_port_and_sum_their_metrics(
 def test_admin_changes_need_redis_when_processes_do_not_share_a_registry(
     stub: StubBackend, start_router: StartRouter
 ) -> None:
-    router = start_router(stub.url, args=("--processes", "2"))
-    answer = httpx.post(router.url + "/admin/workers", json={"url": "http://127.0.0.1:1"})
+    router = start_router(stub.url, args=("--processes", "2", *ADMIN))
+    worker = {"url": "http://127.0.0.1:1"}
+    answer = httpx.post(router.url + "/admin/workers", json=worker, headers=AUTH)
     assert answer.status_code == 409
     assert answer.json()["error"]["code"] == "admin_needs_redis"
-    assert httpx.get(router.url + "/admin/workers").status_code == 200
+    assert httpx.get(router.url + "/admin/workers", headers=AUTH).status_code == 200
 
 
 def test_an_admin_change_reaches_every_router_sharing_redis(
     stub: StubBackend, stub2: StubBackend, start_router: StartRouter
 ) -> None:
     with redis_server() as (url, _):
-        first = start_router(stub.url, args=("--redis", url))
-        second = start_router(stub.url, args=("--redis", url))
-        added = httpx.post(first.url + "/admin/workers", json={"url": stub2.url})
+        first = start_router(stub.url, args=("--redis", url, *ADMIN))
+        second = start_router(stub.url, args=("--redis", url, *ADMIN))
+        added = httpx.post(first.url + "/admin/workers", json={"url": stub2.url}, headers=AUTH)
         assert added.status_code == 201
         deadline = time.monotonic() + 5
         seen: set[str] = set()
         while stub2.url not in seen and time.monotonic() < deadline:
             time.sleep(0.05)
-            workers = httpx.get(second.url + "/admin/workers").json()["workers"]
+            workers = httpx.get(second.url + "/admin/workers", headers=AUTH).json()["workers"]
             seen = {w["url"] for w in workers}
         assert stub2.url in seen
