@@ -6,8 +6,11 @@ engine we talk to when the config does not say.
 
 from __future__ import annotations
 
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from balancer.worker import EngineSample
 
@@ -23,9 +26,6 @@ VLLM_CACHE_INFO = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
 
 @dataclass
 class Scrape:
@@ -34,18 +34,15 @@ class Scrape:
     ranks: dict[int, EngineSample] = field(default_factory=dict)
 
 
-def _vllm_capacity(labels: str | None) -> float | None:
-    found = dict(_LABEL.findall(labels or ""))
+def _vllm_capacity(labels: dict[str, str]) -> float | None:
     try:
-        return float(int(found["num_gpu_blocks"]) * int(found["block_size"]))
+        return float(int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
     except (KeyError, ValueError):
         return None
 
 
-def _rank_of(labels: str | None) -> int | None:
-    if not labels:
-        return None
-    for key, value in _LABEL.findall(labels):
+def _rank_of(labels: dict[str, str]) -> int | None:
+    for key, value in labels.items():
         if key in RANK_LABELS:
             try:
                 return int(value)
@@ -54,18 +51,22 @@ def _rank_of(labels: str | None) -> int | None:
     return None
 
 
+def _samples(text: str) -> Iterator[Sample]:
+    """The exposition's samples; a malformed line ends the scrape with what came before."""
+    try:
+        for family in text_string_to_metric_families(text):
+            yield from family.samples
+    except ValueError:
+        return
+
+
 def parse_metrics(text: str) -> Scrape:
     """Sum running/waiting over series, average KV usage; split per DP rank when labelled."""
     flavor: str | None = None
     sums: dict[tuple[str, int | None], float] = {}
     counts: dict[tuple[str, int | None], int] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        name = m.group(1)
+    for found in _samples(text):
+        name = found.name
         if name in RUNNING:
             kind, flavor = "running", flavor or RUNNING[name]
         elif name in WAITING:
@@ -80,16 +81,13 @@ def parse_metrics(text: str) -> Scrape:
             if flavor is None and name.startswith(("vllm:", "sglang:")):
                 flavor = name.split(":", 1)[0]
             continue
-        try:
-            value = float(m.group(4))
-        except ValueError:
-            continue
+        value = found.value
         if name == VLLM_CACHE_INFO:
-            capacity = _vllm_capacity(m.group(3))
+            capacity = _vllm_capacity(found.labels)
             if capacity is None:
                 continue
             value = capacity
-        rank = _rank_of(m.group(3))
+        rank = _rank_of(found.labels)
         for key in ((kind, None), (kind, rank)) if rank is not None else ((kind, None),):
             sums[key] = sums.get(key, 0.0) + value
             counts[key] = counts.get(key, 0) + 1

@@ -19,7 +19,7 @@ Reported per configuration: TTFT p50/p90, ITL p90 (all inter-token gaps), the sh
 requests meeting the objectives (TTFT <= --ttft-slo and the request's p90 inter-token gap
 <= --tbt-slo) and goodput = such requests per second of trace time.
 
-    python bench/disagg.py [--requests 600] [--time-scale 3] [--tbt-slo 0.03]
+    python -m bench.disagg [--requests 600] [--time-scale 3] [--tbt-slo 0.03]
 """
 
 from __future__ import annotations
@@ -27,19 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# The repo root, so the packages import when this runs as a script.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mockengine.engine.api import EngineRequest  # noqa: E402
-from mockengine.engine.config import EngineConfig  # noqa: E402
-from mockengine.engine.core import EngineCore  # noqa: E402
-from mockengine.engine.virtual import RequestResult, VirtualFleet  # noqa: E402
+from mockengine.engine.api import EngineRequest
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.core import EngineCore
+from mockengine.engine.virtual import RequestResult, VirtualFleet
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 BLOCK = 512

@@ -1,6 +1,6 @@
 """KV store benchmark: lookup latency, ingestion rate, memory per block, tokenization.
 
-Run: python bench/kvstore.py [--redis-url redis://127.0.0.1:6379/0]
+Run: python -m bench.kvstore [--redis-url redis://127.0.0.1:6379/0]
 Without --redis-url a private redis-server is started on a free loopback port.
 Targets (issue 4): memory lookup p99 < 1 ms and Redis p99 < 5 ms for a 32k-token prompt
 (2,048 blocks, tokenization excluded), ingestion >= 200,000 blocks/s, <= 200 B/block.
@@ -17,22 +17,20 @@ import statistics
 import sys
 import time
 import tracemalloc
-from pathlib import Path
 
 import msgpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kvstore.events import BlockStored, EventBatch  # noqa: E402
-from kvstore.feed import Feed  # noqa: E402
-from kvstore.index import Location  # noqa: E402
-from kvstore.ingest import Ingestor  # noqa: E402
-from kvstore.keys import block_keys  # noqa: E402
-from kvstore.memory import MemoryIndex  # noqa: E402
-from kvstore.redis_index import RedisIndex  # noqa: E402
-from kvstore.store import KVStore  # noqa: E402
-from kvstore.tokenize import RoutingTokenizer  # noqa: E402
-from tests.support import TOKENIZER_DIR, redis_server  # noqa: E402
+from kvstore.events import BlockStored, EventBatch
+from kvstore.feed import Feed
+from kvstore.index import Location
+from kvstore.ingest import Ingestor
+from kvstore.keys import block_keys
+from kvstore.memory import MemoryIndex
+from kvstore.redis_index import RedisIndex
+from kvstore.store import KVStore
+from kvstore.tokenize import RoutingTokenizer
+from loadtest.procs import redis_server
+from mockengine.settings import DEFAULT_TOKENIZER
 
 BLOCK = 16
 PROMPT_TOKENS = 32_768
@@ -134,7 +132,7 @@ def bench_memory_bytes(n_blocks: int) -> None:
 
 
 def bench_tokenize() -> None:
-    tok = RoutingTokenizer.from_dir(TOKENIZER_DIR)
+    tok = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
     rng = random.Random(4)
     words = "the router keeps a prefix index of every engine and each block key".split()
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 14))) for _ in range(2700)]
@@ -142,7 +140,7 @@ def bench_tokenize() -> None:
     questions = [f"Question {i}: which engine should serve request {i}?" for i in range(6)]
     cold = []
     for q in questions[:3]:
-        fresh = RoutingTokenizer.from_dir(TOKENIZER_DIR)
+        fresh = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         t0 = time.perf_counter()
         ids = fresh.encode_chat(msgs)

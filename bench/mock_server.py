@@ -1,6 +1,6 @@
 """How fast one mock engine process is, and how fast the virtual clock simulates.
 
-    python bench/mock_server.py [--duration 5] [--connections 32]
+    python -m bench.mock_server [--duration 5] [--connections 32]
 
 1. short non-stream requests/s (max_tokens=1) against one ``switchyard mock`` process;
 2. streamed tokens/s (max_tokens=200, stream=true) against the same process;
@@ -28,13 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from mockengine.engine.api import EngineRequest  # noqa: E402
-from mockengine.engine.config import EngineConfig  # noqa: E402
-from mockengine.engine.virtual import VirtualFleet  # noqa: E402
-from tests.support import Server, free_port  # noqa: E402
+from loadtest.procs import Server, free_port
+from mockengine.engine.api import EngineRequest
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.virtual import VirtualFleet
 
 SHORT = {"model": "mock-model", "prompt": "hello world, a short prompt", "max_tokens": 1}
 STREAM = {**SHORT, "max_tokens": 200, "stream": True}

@@ -1,6 +1,6 @@
 """How fast the mock engine model runs: step CPU cost, real-clock streaming, virtual clock.
 
-    python bench/mock_sim.py [--requests 20000] [--engines 16] [--seed 0]
+    python -m bench.mock_sim [--requests 20000] [--engines 16] [--seed 0]
                              [--trace /work/shared/traces/mooncake_conversation_trace.jsonl]
 
 Prints, reproducibly for a seed:
@@ -20,17 +20,14 @@ import asyncio
 import itertools
 import json
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from mockengine.engine.api import EngineRequest  # noqa: E402
-from mockengine.engine.config import EngineConfig  # noqa: E402
-from mockengine.engine.core import EngineCore  # noqa: E402
-from mockengine.engine.driver import RealClockEngine  # noqa: E402
-from mockengine.engine.virtual import VirtualFleet  # noqa: E402
+from mockengine.engine.api import EngineRequest
+from mockengine.engine.config import EngineConfig
+from mockengine.engine.core import EngineCore
+from mockengine.engine.driver import RealClockEngine
+from mockengine.engine.virtual import VirtualFleet
 
 
 def bench_step(steps: int = 500) -> float:

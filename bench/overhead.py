@@ -5,34 +5,28 @@ Targets, each measured ``--rounds`` times in rotating order: the backend directl
 ``switchyard router`` in front of it, and ``smg launch`` (pip install smg) when
 installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
 
-    python bench/overhead.py [--duration 10] [--rounds 3] [--connections 32] [--processes 2]
+    python -m bench.overhead [--duration 10] [--rounds 3] [--connections 32] [--processes 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.support import free_port, wait_http  # noqa: E402
+from loadtest.procs import Server, free_port
 
 ANSWER = (
     '{"id":"cmpl-bench","object":"text_completion","created":0,"model":"bench",'
@@ -115,20 +109,18 @@ def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
     return WrkResult(rps, p50, p99)
 
 
-@contextmanager
-def process(argv: list[str], health: str, env: dict[str, str] | None = None) -> Iterator[None]:
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True
+def process(argv: list[str], port: int, health_path: str) -> Server:
+    """A server process in its own group, quiet, up once ``health_path`` answers."""
+    return Server(
+        [],
+        port,
+        health_path,
+        argv=argv,
+        own_group=True,
+        capture_stderr=False,
+        start_timeout_s=30,
+        stop_timeout_s=10,
     )
-    try:
-        wait_http(health, timeout=30, proc=proc)
-        yield
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 async def sse_rate(url: str, streams: int, duration: float) -> float:
@@ -186,7 +178,7 @@ def main() -> None:
         )
         backend = f"http://127.0.0.1:{nginx_port}"
         stack.enter_context(
-            process(["nginx", "-c", str(conf), "-p", str(tmpdir)], backend + "/health")
+            process(["nginx", "-c", str(conf), "-p", str(tmpdir)], nginx_port, "/health")
         )
         targets = {"direct": backend}
         sy_port = free_port()
@@ -195,7 +187,8 @@ def main() -> None:
                 router_argv(
                     backend, sy_port, "--policy", args.policy, "--processes", str(args.processes)
                 ),
-                f"http://127.0.0.1:{sy_port}/ready",
+                sy_port,
+                "/ready",
             )
         )
         targets["switchyard"] = f"http://127.0.0.1:{sy_port}"
@@ -219,7 +212,8 @@ def main() -> None:
                         "--prometheus-port",
                         str(free_port()),
                     ],
-                    f"http://127.0.0.1:{smg_port}/health",
+                    smg_port,
+                    "/health",
                 )
             )
             targets["smg"] = f"http://127.0.0.1:{smg_port}"
@@ -262,12 +256,13 @@ def main() -> None:
         sse = f"http://127.0.0.1:{sse_port}"
         stack.enter_context(
             process(
-                [sys.executable, str(REPO / "bench" / "sse_backend.py"), str(sse_port), "2000"],
-                sse + "/v1/models",
+                [sys.executable, "-m", "bench.sse_backend", str(sse_port), "2000"],
+                sse_port,
+                "/v1/models",
             )
         )
         sy_port = free_port()
-        stack.enter_context(process(router_argv(sse, sy_port), f"http://127.0.0.1:{sy_port}/ready"))
+        stack.enter_context(process(router_argv(sse, sy_port), sy_port, "/ready"))
         rates: dict[str, list[float]] = {"direct": [], "switchyard": []}
         urls = {"direct": sse, "switchyard": f"http://127.0.0.1:{sy_port}"}
         for r in range(args.rounds):

@@ -10,8 +10,6 @@ counters, read before and after a run, so it needs nothing from the router.
 from __future__ import annotations
 
 import json
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -19,46 +17,14 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from loadtest.procs import free_port_block, wait_http
+from loadtest.prom import totals
+
 SERVED = "vllm:e2e_request_latency_seconds_count"
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 COUNTERS = (SERVED, HITS, QUERIES)
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-
-
-def free_port_block(n: int, rng: random.Random | None = None) -> int:
-    """First port of ``n`` consecutive free loopback ports."""
-    rng = rng or random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports found")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    """Metric name → value summed over label sets (one engine's exposition)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_part, _, value = line.rpartition(" ")
-        name = name_part.split("{", 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
 
 
 @dataclass
@@ -103,10 +69,7 @@ class MockFleet:
             self.engines.append(Engine(e["urls"][0]["url"], endpoint))
         deadline = time.monotonic() + timeout_s
         for engine in self.engines:
-            while httpx.get(engine.url + "/health", timeout=2.0).status_code != 200:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{engine.url} not healthy")
-                time.sleep(0.05)
+            wait_http(engine.url + "/health", deadline - time.monotonic(), self.proc)
         return self
 
     def stop(self) -> None:
@@ -126,7 +89,7 @@ class MockFleet:
 
     def scrape(self) -> list[dict[str, float]]:
         with httpx.Client(timeout=5.0) as c:
-            return [parse_prometheus(c.get(e.url + "/metrics").text) for e in self.engines]
+            return [totals(c.get(e.url + "/metrics").text) for e in self.engines]
 
     def counters(self) -> list[dict[str, float]]:
         """Per engine: requests finished, prefix-cache hit and queried tokens so far."""
@@ -142,7 +105,7 @@ class MockFleet:
         with httpx.Client(timeout=5.0) as c:
             for e in self.engines:
                 while True:
-                    metrics = parse_prometheus(c.get(e.url + "/metrics").text)
+                    metrics = totals(c.get(e.url + "/metrics").text)
                     idle = all(metrics.get(name, 0.0) == 0 for name in BUSY)
                     if idle and c.post(e.url + "/reset_prefix_cache").status_code == 200:
                         break

@@ -13,12 +13,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
+from typing import IO
 
-import httpx
-
-from loadtest.fleet import Engine, free_port_block
+from loadtest.fleet import Engine
+from loadtest.procs import ProcessExited, free_port_block, wait_http
 from mockengine.settings import DEFAULT_TOKENIZER
 
 # Policies that read prefixes: they get the tokenizer and each engine's KV-event endpoint.
@@ -75,7 +74,7 @@ class RunningRouter:
     spec: RouterSpec
     url: str
     proc: subprocess.Popen[bytes]
-    log: tempfile._TemporaryFileWrapper[bytes] = field(repr=False)
+    log: IO[bytes] = field(repr=False)
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 3 s (smg drains for several seconds otherwise)."""
@@ -95,7 +94,7 @@ class RunningRouter:
         self.stop()
 
 
-def _tail(log: tempfile._TemporaryFileWrapper[bytes], limit: int = 400) -> str:
+def _tail(log: IO[bytes], limit: int = 400) -> str:
     log.flush()
     log.seek(0)
     lines = [ln for ln in log.read().decode(errors="replace").splitlines() if ln.strip()]
@@ -115,23 +114,14 @@ def start_router(
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     router = RunningRouter(spec, f"http://127.0.0.1:{port}", proc, log)
-    deadline = time.monotonic() + timeout_s
-    path = spec.ready_path
-    while True:
-        if proc.poll() is not None:
-            reason = _tail(log)
-            router.stop()
-            raise Unavailable(f"exited with {proc.returncode}: {reason}")
-        try:
-            status = httpx.get(router.url + path, timeout=1.0).status_code
-            if status == 200:
-                return router
-            if status == 404:
-                path = "/health"
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            reason = _tail(log)
-            router.stop()
-            raise Unavailable(f"not ready within {timeout_s:.0f}s: {reason}")
-        time.sleep(0.1)
+    try:
+        wait_http(router.url + spec.ready_path, timeout_s, proc, router.url + "/health")
+    except ProcessExited:
+        reason = _tail(log)
+        router.stop()
+        raise Unavailable(f"exited with {proc.returncode}: {reason}") from None
+    except TimeoutError:
+        reason = _tail(log)
+        router.stop()
+        raise Unavailable(f"not ready within {timeout_s:.0f}s: {reason}") from None
+    return router

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Server, free_port
+from tests.support import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,21 +46,6 @@ def golden_events(name: str) -> list[str]:
 
 def golden(name: str) -> Any:
     return json.loads((GOLDEN / name).read_text())
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        m = re.match(r"^([^{\s]+)(?:\{(.*)\})? (\S+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-            found = True
-    assert found, f"{name}{labels} not in metrics"
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 
 import httpx
@@ -10,15 +9,13 @@ import msgpack
 import pytest
 import zmq
 
-from tests.support import Server, free_port
+from tests.support import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def gen_tokens(text: str, rank: int) -> float:
-    m = re.search(rf'^vllm:generation_tokens_total\{{engine="{rank}",[^}}]*\}} (\S+)$', text, re.M)
-    assert m, f"no generation counter for engine {rank}"
-    return float(m.group(1))
+    return metric(text, "vllm:generation_tokens_total", engine=str(rank))
 
 
 @pytest.fixture(scope="module")

@@ -2,32 +2,30 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.prom import samples, totals
 from tests.support import Server, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "metrics"
-SAMPLE = re.compile(r"^([^{\s]+)(?:\{(.*)\})? (\S+)$")
 
 
 def families(text: str) -> dict[str, str]:
-    return dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    """Family name → type."""
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
 
 
 def label_names(text: str) -> dict[str, set[frozenset[str]]]:
     """Sample name → the label-name sets it appears with."""
     out: dict[str, set[frozenset[str]]] = {}
-    for line in text.splitlines():
-        m = SAMPLE.match(line)
-        if m and not line.startswith("#"):
-            names = frozenset(re.findall(r'(\w+)="', m.group(2) or ""))
-            out.setdefault(m.group(1), set()).add(names)
+    for s in samples(text):
+        out.setdefault(s.name, set()).add(frozenset(s.labels))
     return out
 
 
@@ -55,11 +53,7 @@ def test_sglang_token_counters_follow_what_was_served() -> None:
         for _ in range(2):
             httpx.post(srv.url + "/v1/completions", json={"prompt": "same " * 40, "max_tokens": 3})
         text = httpx.get(srv.url + "/metrics").text
-    values = {
-        m.group(1): float(m.group(3))
-        for m in map(SAMPLE.match, text.splitlines())
-        if m and not m.group(0).startswith("#")
-    }
+    values = totals(text)
     assert values["sglang:generation_tokens_total"] == 6
     assert values["sglang:num_requests_total"] == 2
     assert 0 < values["sglang:cache_hit_rate"] < 1

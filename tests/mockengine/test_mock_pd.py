@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterator
@@ -11,19 +10,16 @@ from typing import Any
 import httpx
 import pytest
 
-from mockengine.app import mm_hash
-from tests.support import Server, free_port
+from mockengine.epd import mm_hash
+from tests.support import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(60)
 
 PROMPT = "disaggregated prefill " * 30
 
 
-def metric(srv: Server, name: str) -> float:
-    text = httpx.get(srv.url + "/metrics").text
-    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
-    assert m, f"{name} not exposed"
-    return float(m.group(1))
+def metric_of(srv: Server, name: str) -> float:
+    return metric(httpx.get(srv.url + "/metrics").text, name)
 
 
 def start(*args: str) -> Server:
@@ -76,10 +72,10 @@ def test_vllm_prefill_answers_one_token_with_kv_transfer_params(vllm_pair) -> No
 
 def test_vllm_flow_decodes_after_pulling_and_prefill_frees_held_blocks(vllm_pair) -> None:
     prefill, decode = vllm_pair
-    pulls_before = metric(prefill, "mockengine_kv_pulls_served_total")
-    usage_before = metric(prefill, "vllm:kv_cache_usage_perc")
+    pulls_before = metric_of(prefill, "mockengine_kv_pulls_served_total")
+    usage_before = metric_of(prefill, "vllm:kv_cache_usage_perc")
     params = prefill_leg(prefill, "pd-flow")["kv_transfer_params"]
-    assert metric(prefill, "vllm:kv_cache_usage_perc") > usage_before
+    assert metric_of(prefill, "vllm:kv_cache_usage_perc") > usage_before
     r = httpx.post(
         decode.url + "/v1/completions",
         json={"prompt": PROMPT, "max_tokens": 8, "kv_transfer_params": params},
@@ -88,9 +84,9 @@ def test_vllm_flow_decodes_after_pulling_and_prefill_frees_held_blocks(vllm_pair
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 8
     assert int(r.headers["x-mock-remote-prefill-tokens"]) == r.json()["usage"]["prompt_tokens"]
-    assert metric(decode, "mockengine_remote_prefills_total") >= 1
-    assert metric(prefill, "mockengine_kv_pulls_served_total") == pulls_before + 1
-    assert metric(prefill, "vllm:kv_cache_usage_perc") == usage_before
+    assert metric_of(decode, "mockengine_remote_prefills_total") >= 1
+    assert metric_of(prefill, "mockengine_kv_pulls_served_total") == pulls_before + 1
+    assert metric_of(prefill, "vllm:kv_cache_usage_perc") == usage_before
 
 
 def test_vllm_decode_recomputes_when_the_held_kv_is_gone(vllm_pair) -> None:
@@ -102,19 +98,19 @@ def test_vllm_decode_recomputes_when_the_held_kv_is_gone(vllm_pair) -> None:
     assert first.status_code == second.status_code == 200
     assert "x-mock-remote-prefill-tokens" in first.headers
     assert "x-mock-remote-prefill-tokens" not in second.headers
-    assert metric(decode, "mockengine_kv_pull_failures_total") >= 1
+    assert metric_of(decode, "mockengine_kv_pull_failures_total") >= 1
 
 
 def test_vllm_prefill_frees_unpulled_blocks_after_the_hold_expires() -> None:
     prefill = start("--role", "prefill", "--held-kv-timeout-s", "2")
     try:
-        idle = metric(prefill, "vllm:kv_cache_usage_perc")
+        idle = metric_of(prefill, "vllm:kv_cache_usage_perc")
         prefill_leg(prefill, "never-pulled")
-        assert metric(prefill, "vllm:kv_cache_usage_perc") > idle
+        assert metric_of(prefill, "vllm:kv_cache_usage_perc") > idle
         deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and metric(prefill, "vllm:kv_cache_usage_perc") > idle:
+        while time.monotonic() < deadline and metric_of(prefill, "vllm:kv_cache_usage_perc") > idle:
             time.sleep(0.02)
-        assert metric(prefill, "vllm:kv_cache_usage_perc") == idle
+        assert metric_of(prefill, "vllm:kv_cache_usage_perc") == idle
     finally:
         prefill.stop()
 
@@ -133,7 +129,7 @@ def sglang_pair() -> Iterator[tuple[Server, Server, int]]:
 
 def test_sglang_flow_decode_waits_for_the_prefill_of_its_room(sglang_pair) -> None:
     prefill, decode, boot = sglang_pair
-    idle = metric(prefill, "sglang:token_usage")
+    idle = metric_of(prefill, "sglang:token_usage")
     bootstrap = {"bootstrap_host": "127.0.0.1", "bootstrap_port": boot, "bootstrap_room": 4242}
     body = {"prompt": PROMPT, "max_tokens": 8, **bootstrap}
     result: dict[str, httpx.Response] = {}
@@ -151,8 +147,8 @@ def test_sglang_flow_decode_waits_for_the_prefill_of_its_room(sglang_pair) -> No
     assert pre.status_code == 200 and pre.json()["usage"]["completion_tokens"] == 1
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
     assert int(r.headers["x-mock-remote-prefill-tokens"]) == r.json()["usage"]["prompt_tokens"]
-    assert metric(prefill, "mockengine_kv_pulls_served_total") == 1
-    assert metric(prefill, "sglang:token_usage") == idle
+    assert metric_of(prefill, "mockengine_kv_pulls_served_total") == 1
+    assert metric_of(prefill, "sglang:token_usage") == idle
 
 
 def test_sglang_decode_without_prefill_times_out_with_a_clear_error(sglang_pair) -> None:

@@ -1,0 +1,189 @@
+"""Launching a process and waiting until it is healthy: the one way for tests, benches, harness.
+
+Everything binds loopback. A process counts as up once an HTTP health URL answers 2xx
+(``Server``, ``wait_http``) or, for redis-server, once its port accepts a connection.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class ProcessExited(RuntimeError):
+    """The process died before it became healthy."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_block(n: int, rng: random.Random | None = None) -> int:
+    """First port of ``n`` consecutive free loopback ports."""
+    rng = rng or random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def wait_http(
+    url: str,
+    timeout: float = 20.0,
+    proc: subprocess.Popen[bytes] | subprocess.Popen[str] | None = None,
+    fallback_url: str | None = None,
+) -> None:
+    """Poll ``url`` until it answers 2xx; fail early if ``proc`` died.
+
+    A server without ``url`` (404) is polled at ``fallback_url`` instead, when given.
+    """
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ProcessExited(f"server exited with {proc.returncode} before {url} answered")
+        try:
+            answer = httpx.get(url, timeout=1.0)
+            if answer.is_success:
+                return
+            if answer.status_code == 404 and fallback_url is not None:
+                url, fallback_url = fallback_url, None
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s: {last}")
+
+
+class Server:
+    """A process on loopback, up once ``health_path`` on ``port`` answers 2xx.
+
+    By default the process is ``python -m switchyard <args>``; ``argv`` runs anything
+    else. ``own_group`` starts it in its own process group and signals the whole group,
+    for servers that fork workers (nginx, ``--processes``).
+    """
+
+    def __init__(
+        self,
+        args: list[str],
+        port: int,
+        health_path: str = "/health",
+        *,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+        own_group: bool = False,
+        capture_stderr: bool = True,
+        start_timeout_s: float = 20.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        self.args = args
+        self.argv = argv if argv is not None else [sys.executable, "-m", "switchyard", *args]
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health_path = health_path
+        self.env = env
+        self.own_group = own_group
+        self.capture_stderr = capture_stderr
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float | None = None) -> Server:
+        env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            self.argv,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if self.capture_stderr else subprocess.DEVNULL,
+            start_new_session=self.own_group,
+        )
+        try:
+            wait_http(self.url + self.health_path, timeout or self.start_timeout_s, self.proc)
+        except Exception as exc:
+            self.stop()
+            err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+            command = " ".join(self.args or self.argv)
+            raise RuntimeError(f"{command} failed: {exc}\n{err[-4000:]}") from None
+        return self
+
+    def _signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        if self.own_group:
+            os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def kill(self) -> None:
+        """Hard crash: no graceful shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._signal(signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+    def __enter__(self) -> Server:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextmanager
+def redis_server(port: int | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A throwaway redis-server on a free loopback port: yields (url, process)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed")
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                break
+        except OSError:
+            time.sleep(0.02)
+    try:
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=5)
