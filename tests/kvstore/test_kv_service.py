@@ -105,7 +105,7 @@ async def test_redis_outage_gives_degraded_answers_then_recovers(
     port = free_port()
     caplog.set_level(logging.WARNING, logger="switchyard.kvstore")
     with redis_server(port) as (url, proc):
-        store = KVStore(RedisIndex(url, block_size=16), probe_interval_s=0.05)
+        store = KVStore(RedisIndex(url), block_size=16, probe_interval_s=0.05)
         await store.start()
         keys = store.keys_for(TOKENS)
         await store.index.add(keys, Location(E))
@@ -134,7 +134,7 @@ async def test_events_that_arrived_while_redis_was_down_are_in_the_index_once_it
     port = free_port()
     kept, evicted = TOKENS, list(range(500, 532))
     with redis_server(port) as (url, proc):
-        store = KVStore(RedisIndex(url, block_size=16), probe_interval_s=0.05)
+        store = KVStore(RedisIndex(url), block_size=16, probe_interval_s=0.05)
         await store.start()
         await store.ingest(E, stored_batch(kept, 1), seq=0)
         await store.ingest(E, stored_batch(evicted, 100), seq=1)
@@ -169,6 +169,6 @@ async def test_an_unreachable_kvstore_service_is_degraded_not_an_error() -> None
 
 
 def test_the_service_api_is_openapi_documented() -> None:
-    paths = create_app(KVStore()).openapi()["paths"]
+    paths = create_app(KVStore(block_size=16)).openapi()["paths"]
     assert {"/v1/lookup", "/v1/events", "/v1/instances", "/v1/instances/{instance}"} <= set(paths)
     assert "delete" in paths["/v1/instances/{instance}"]
