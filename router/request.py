@@ -11,15 +11,13 @@ from typing import Any
 
 import orjson
 
+from kvstore.tokenize import CHARS_PER_TOKEN
 from router.errors import RouterError
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 DATA_ROUTES = (COMPLETIONS, CHAT, EMBEDDINGS)
-
-# Without a tokenizer the router estimates tokens from characters (about 4 per token).
-CHARS_PER_TOKEN = 4
 
 
 @dataclass(slots=True)
@@ -98,11 +96,23 @@ def _messages_chars(messages: Any) -> int:
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    total += len(part["text"])
+            for j, part in enumerate(content):
+                total += _part_chars(part, i, j)
         elif content is not None:
             raise RouterError(
                 400, f"messages[{i}].content must be a string or a list of parts", param="messages"
             )
     return total
+
+
+def _part_chars(part: Any, i: int, j: int) -> int:
+    """A content part is an object with a string ``type``; a text part's ``text`` is a string."""
+    where = f"messages[{i}].content[{j}]"
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise RouterError(400, f"{where} must be an object with a string 'type'", param="messages")
+    text = part.get("text")
+    if text is None and part["type"] != "text":
+        return 0
+    if not isinstance(text, str):
+        raise RouterError(400, f"{where}.text must be a string", param="messages")
+    return len(text)

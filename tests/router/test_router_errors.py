@@ -10,6 +10,15 @@ from tests.router.stub_backend import StubBackend
 
 pytestmark = pytest.mark.timeout(60)
 
+OPENAI_ERROR_TYPES = {
+    "invalid_request_error",
+    "authentication_error",
+    "permission_error",
+    "not_found_error",
+    "rate_limit_error",
+    "server_error",
+}
+
 
 def assert_openai_error(resp: httpx.Response, status: int, param: str | None = None) -> dict:
     assert resp.status_code == status, resp.text
@@ -18,6 +27,8 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["param"] == param
+    assert error["code"] is None or isinstance(error["code"], str)
+    assert error["type"] in OPENAI_ERROR_TYPES
     return error
 
 
@@ -67,6 +78,27 @@ def test_messages_without_role_is_400(router: str) -> None:
     assert_openai_error(resp, 400, param="messages")
 
 
+def test_content_part_whose_text_is_not_a_string_is_400(router: str) -> None:
+    part = {"type": "text", "text": ["not", "a", "string"]}
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": [part]}]}
+    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    assert_openai_error(resp, 400, param="messages")
+
+
+def test_content_part_that_is_not_an_object_is_400(router: str) -> None:
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": ["hi"]}]}
+    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    assert_openai_error(resp, 400, param="messages")
+
+
+def test_image_part_without_text_is_accepted(router: str) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    text = {"type": "text", "text": "what is this?"}
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": [image, text]}]}
+    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+
+
 def test_non_boolean_stream_is_400(router: str) -> None:
     body = {"model": "stub-model", "prompt": "hi", "stream": "yes"}
     assert_openai_error(httpx.post(router + "/v1/completions", json=body), 400, param="stream")
@@ -101,7 +133,7 @@ def test_no_worker_at_all_is_503_with_retry_after(start_router: StartRouter) -> 
 def test_unreachable_worker_is_502_after_retries(
     stub: StubBackend, start_router: StartRouter
 ) -> None:
-    no_probes = {"balancer": {"probe_interval": 60, "cb_failure_threshold": 1000}}
+    no_probes = {"balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000}}
     router = start_router(stub.url, config=no_probes).url
     assert httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
     stub.stop()
