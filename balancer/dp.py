@@ -29,9 +29,9 @@ def step_cost(
 ) -> float:
     """Modelled time of one engine step on a rank (arbitrary units)."""
     return (
-        s.step_seq_cost * requests
-        + s.step_context_token_cost * context_tokens
-        + s.step_prefill_token_cost * min(prefill_tokens, s.step_token_budget)
+        s.step_seq_cost_us * requests
+        + s.step_context_token_cost_us * context_tokens
+        + s.step_prefill_token_cost_us * min(prefill_tokens, s.step_token_budget)
     )
 
 
@@ -58,7 +58,7 @@ def step_balanced(
     ``prefill=False`` for a decode instance: prompt tokens count as context only.
     """
     budget = s.step_token_budget if prefill else 0  # a decode instance queues no prefill
-    added = s.step_seq_cost + s.step_context_token_cost * prompt_tokens
+    added = s.step_seq_cost_us + s.step_context_token_cost_us * prompt_tokens
     costs: list[float] = []
     afters: list[float] = []
     for r in ranks:
@@ -66,7 +66,7 @@ def step_balanced(
         cost = step_cost(s, rank_requests(r), rank_tokens(r) + r.hidden_tokens, queued)
         grown = min(queued + prompt_tokens, budget) - queued
         costs.append(cost)
-        afters.append(cost + added + s.step_prefill_token_cost * grown)
+        afters.append(cost + added + s.step_prefill_token_cost_us * grown)
     top = second = float("-inf")
     top_i = -1
     for i, c in enumerate(costs):

@@ -56,7 +56,7 @@ class FileSource:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.fleet.settings.file_poll_interval)
+            await asyncio.sleep(self.fleet.settings.file_poll_interval_s)
             self.poll()
 
     def poll(self) -> None:

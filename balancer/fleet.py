@@ -362,10 +362,10 @@ class Fleet:
         ejected = sum(1 for w in self._workers.values() if w.ejected_until > now)
         if ejected + 1 > s.outlier_max_ejected_fraction * len(self._workers):
             return
-        worker.ejected_until = now + s.outlier_ejection_time
+        worker.ejected_until = now + s.outlier_ejection_s
         worker.warm_since = worker.ejected_until
         window.clear()
-        log.warning("ejected outlier %s for %.1fs", worker.id, s.outlier_ejection_time)
+        log.warning("ejected outlier %s for %.1fs", worker.id, s.outlier_ejection_s)
         self._notify("changed", worker)
 
     # Internals

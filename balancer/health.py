@@ -41,7 +41,7 @@ class Breaker:
         if self.state is Circuit.CLOSED:
             return True
         if self.state is Circuit.OPEN:
-            if now - self.opened_at < self._s.cb_open_timeout:
+            if now - self.opened_at < self._s.cb_open_timeout_s:
                 return False
             self.state = Circuit.HALF_OPEN
             self.trials = 0

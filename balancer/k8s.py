@@ -137,8 +137,8 @@ class KubernetesSource:
                     s.kubernetes_namespace,
                     label_selector=s.kubernetes_selector,
                     resource_version=listing.get("metadata", {}).get("resourceVersion"),
-                    timeout_seconds=s.kubernetes_watch_timeout,
-                    _request_timeout=s.kubernetes_watch_timeout + 5,
+                    timeout_seconds=s.kubernetes_watch_timeout_s,
+                    _request_timeout=s.kubernetes_watch_timeout_s + 5,
                 ):
                     if self._stop.is_set():
                         break

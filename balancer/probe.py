@@ -40,7 +40,7 @@ class Prober:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout)
+            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
         )
         for worker in self.fleet.workers():
             self.watch(worker)
@@ -85,21 +85,21 @@ class Prober:
             now = time.monotonic()
             if event.is_set():
                 event.clear()
-                if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval):
+                if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval_s):
                     next_probe = now
             if now >= next_probe:
                 last_probe = now
                 await self._probe(worker)
-                next_probe = time.monotonic() + s.probe_interval
+                next_probe = time.monotonic() + s.probe_interval_s
             if worker.healthy and (not worker.models or now >= next_models):
                 if not worker.spec.models:
                     await self._refresh_models(worker)
                 next_models = time.monotonic() + (
-                    s.model_refresh_interval if worker.models else s.probe_interval
+                    s.model_refresh_interval_s if worker.models else s.probe_interval_s
                 )
             if worker.healthy and now >= next_scrape:
                 await self._scrape(worker)
-                next_scrape = time.monotonic() + s.scrape_interval
+                next_scrape = time.monotonic() + s.scrape_interval_s
             wait = min(next_probe, next_scrape, next_models) - time.monotonic()
             try:
                 await asyncio.wait_for(event.wait(), timeout=max(wait, 0.01))
@@ -117,7 +117,7 @@ class Prober:
     async def _probe(self, worker: Worker) -> None:
         s = self.settings
         try:
-            status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout)
+            status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout_s)
             ok, error = 200 <= status < 300, f"probe status {status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, error = False, f"probe {type(exc).__name__}"
@@ -137,7 +137,7 @@ class Prober:
 
     async def _refresh_models(self, worker: Worker) -> None:
         try:
-            status, body = await self._get(worker.url + "/v1/models", self.settings.probe_timeout)
+            status, body = await self._get(worker.url + "/v1/models", self.settings.probe_timeout_s)
             if status != 200:
                 return
             data = orjson.loads(body).get("data", [])
@@ -154,7 +154,7 @@ class Prober:
         samples = []
         for url in urls:
             try:
-                status, body = await self._get(url + "/metrics", s.scrape_timeout)
+                status, body = await self._get(url + "/metrics", s.scrape_timeout_s)
             except (aiohttp.ClientError, TimeoutError, OSError):
                 status, body = 0, b""
             if status != 200:

@@ -62,7 +62,7 @@ class TicketEnd(BaseModel):
 
 
 class Tickets:
-    """Tickets handed to remote routers; forgotten ones end as aborts after ``ticket_ttl``."""
+    """Tickets handed to remote routers; forgotten ones end as aborts after ``ticket_ttl_s``."""
 
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -86,7 +86,7 @@ class Tickets:
         self.fleet.end(ticket, outcome)
 
     def expire(self) -> int:
-        cutoff = time.monotonic() - self.fleet.settings.ticket_ttl
+        cutoff = time.monotonic() - self.fleet.settings.ticket_ttl_s
         old = [tid for tid, (_, at) in self.open.items() if at < cutoff]
         for tid in old:
             self.end(tid, Outcome.CLIENT_ABORT)
@@ -156,7 +156,7 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
 
     async def sweep() -> None:
         while True:
-            await asyncio.sleep(max(1.0, min(settings.ticket_ttl / 4, 30.0)))
+            await asyncio.sleep(max(1.0, min(settings.ticket_ttl_s / 4, 30.0)))
             tickets.expire()
 
     @asynccontextmanager

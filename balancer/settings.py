@@ -22,8 +22,9 @@ class BalancerSettings(ServiceSettings):
     )
 
     # Service
-    host: str = "127.0.0.1"
-    port: int = 8100
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8100, description="bind port")
+    log_level: str = Field(default="warning", description="uvicorn log level")
     # Keys (one, or several separated by commas), sent as "Authorization: Bearer KEY".
     # The admin API is off without admin_api_key; the data API (picks, tickets, workers)
     # is open without api_key and then also takes the admin key.
@@ -33,27 +34,57 @@ class BalancerSettings(ServiceSettings):
     api_key: str | None = None
 
     # Registry sources
-    workers: list[str] = []
-    workers_file: str | None = None
-    file_poll_interval: float = 1.0
-    kubernetes: bool = False
-    kubernetes_host: str | None = None
-    kubernetes_namespace: str = "default"
-    kubernetes_selector: str = "app.kubernetes.io/part-of=switchyard"
+    workers: list[str] = Field(
+        default=[], description="worker, repeatable: 'http://h:p;role=prefill;dp=4'"
+    )
+    workers_file: str | None = Field(default=None, description="watched YAML/JSON worker list")
+    file_poll_interval_s: float = Field(
+        default=1.0,
+        validation_alias=AliasChoices("file_poll_interval_s", "file_poll_interval"),
+        description="seconds between reads of workers_file",
+    )
+    kubernetes: bool = Field(default=False, description="discover engine pods in Kubernetes")
+    kubernetes_host: str | None = Field(
+        default=None, description="Kubernetes API URL (default: in-cluster or kubeconfig)"
+    )
+    kubernetes_namespace: str = Field(default="default", description="namespace to watch")
+    kubernetes_selector: str = Field(
+        default="app.kubernetes.io/part-of=switchyard", description="pod label selector"
+    )
     kubernetes_port: int = 8000
-    kubernetes_watch_timeout: int = 30
+    kubernetes_watch_timeout_s: int = Field(
+        default=30,
+        validation_alias=AliasChoices("kubernetes_watch_timeout_s", "kubernetes_watch_timeout"),
+        description="one Kubernetes watch call",
+    )
 
     # Active probes
-    probe_interval: float = 2.0
-    probe_timeout: float = 1.0
+    probe_interval_s: float = Field(
+        default=2.0,
+        validation_alias=AliasChoices("probe_interval_s", "probe_interval"),
+        description="between active health probes",
+    )
+    probe_timeout_s: float = Field(
+        default=1.0,
+        validation_alias=AliasChoices("probe_timeout_s", "probe_timeout"),
+        description="one health probe",
+    )
     probe_path: str = "/health"
     unhealthy_threshold: int = 1
     healthy_threshold: int = 2
-    model_refresh_interval: float = 30.0
+    model_refresh_interval_s: float = Field(
+        default=30.0,
+        validation_alias=AliasChoices("model_refresh_interval_s", "model_refresh_interval"),
+        description="between /v1/models refreshes",
+    )
 
     # Circuit breaker (passive)
     cb_failure_threshold: int = 3
-    cb_open_timeout: float = 5.0
+    cb_open_timeout_s: float = Field(
+        default=5.0,
+        validation_alias=AliasChoices("cb_open_timeout_s", "cb_open_timeout"),
+        description="open circuit before half-open trials",
+    )
     cb_half_open_trials: int = 1
     cb_success_threshold: int = 1
 
@@ -61,33 +92,81 @@ class BalancerSettings(ServiceSettings):
     outlier_window: int = 50
     outlier_min_requests: int = 20
     outlier_error_rate: float = 0.5
-    outlier_ejection_time: float = 30.0
+    outlier_ejection_s: float = Field(
+        default=30.0,
+        validation_alias=AliasChoices("outlier_ejection_s", "outlier_ejection_time"),
+        description="how long an outlier stays ejected",
+    )
     outlier_max_ejected_fraction: float = 0.5
 
     # Slow start for new or recovered workers
-    slow_start_seconds: float = 0.0
+    slow_start_s: float = Field(
+        default=0.0,
+        validation_alias=AliasChoices("slow_start_s", "slow_start_seconds"),
+        description="weight ramp of new or recovered workers",
+    )
     slow_start_min_weight: float = 0.1
 
     # Engine metrics scrape
-    scrape_interval: float = 1.0
-    scrape_timeout: float = 1.0
-    scrape_staleness: float = 5.0
+    scrape_interval_s: float = Field(
+        default=1.0,
+        validation_alias=AliasChoices("scrape_interval_s", "scrape_interval"),
+        description="between engine /metrics scrapes",
+    )
+    scrape_timeout_s: float = Field(
+        default=1.0,
+        validation_alias=AliasChoices("scrape_timeout_s", "scrape_timeout"),
+        description="one /metrics scrape",
+    )
+    scrape_staleness_s: float = Field(
+        default=5.0,
+        validation_alias=AliasChoices("scrape_staleness_s", "scrape_staleness"),
+        description="scraped load older than this is ignored",
+    )
     kv_usage_weight: float = 4.0
 
     # DP rank choice and its step-time model, in µs: per running sequence, per context
     # token attended, per prefill token within the step's token budget. Defaults are the
     # mock engine's BLIS-fit terms (Llama-3.1-8B on H100), so only their ratios matter.
-    dp_policy: DpPolicy = "step_balanced"
-    step_seq_cost: float = 6.0
-    step_context_token_cost: float = 0.04
-    step_prefill_token_cost: float = 17.25
+    dp_policy: DpPolicy = Field(default="step_balanced", description="DP rank choice")
+    step_seq_cost_us: float = Field(
+        default=6.0,
+        validation_alias=AliasChoices("step_seq_cost_us", "step_seq_cost"),
+        description="step time per running sequence",
+    )
+    step_context_token_cost_us: float = Field(
+        default=0.04,
+        validation_alias=AliasChoices("step_context_token_cost_us", "step_context_token_cost"),
+        description="step time per context token",
+    )
+    step_prefill_token_cost_us: float = Field(
+        default=17.25,
+        validation_alias=AliasChoices("step_prefill_token_cost_us", "step_prefill_token_cost"),
+        description="step time per prefill token",
+    )
     step_token_budget: int = 8192
 
     # Redis sharing across router replicas
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("redis_url", "redis"),
+        description="Redis URL: share in-flight counts and admin changes",
+    )
     redis_prefix: str = "switchyard:balancer"
-    lease_seconds: float = 3.0
-    sync_interval: float = 0.25
+    lease_s: float = Field(
+        default=3.0,
+        validation_alias=AliasChoices("lease_s", "lease_seconds"),
+        description="TTL of this instance's counts in Redis",
+    )
+    sync_interval_s: float = Field(
+        default=0.25,
+        validation_alias=AliasChoices("sync_interval_s", "sync_interval"),
+        description="between Redis syncs",
+    )
 
     # Tickets handed out by the service (`POST /v1/pick`) that are never ended expire.
-    ticket_ttl: float = 600.0
+    ticket_ttl_s: float = Field(
+        default=600.0,
+        validation_alias=AliasChoices("ticket_ttl_s", "ticket_ttl"),
+        description="unended pick tickets expire after this",
+    )

@@ -115,7 +115,7 @@ class RedisShare:
 
     async def sync(self) -> None:
         """Publish our counts, renew our lease, and fold in the live peers' counts."""
-        lease = self.fleet.settings.lease_seconds
+        lease = self.fleet.settings.lease_s
         now = time.time()
         own_key = self.counts_prefix + self.instance
         own = self._own_counts()
@@ -155,7 +155,7 @@ class RedisShare:
 
     async def _sync_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.fleet.settings.sync_interval)
+            await asyncio.sleep(self.fleet.settings.sync_interval_s)
             try:
                 await self.sync()
             except (aioredis.RedisError, OSError) as exc:

@@ -249,7 +249,7 @@ class Worker:
 
     def weight(self, now: float | None = None) -> float:
         """Slow-start weight in (0, 1]: ramps linearly after the worker (re)joined."""
-        span = self._settings.slow_start_seconds
+        span = self._settings.slow_start_s
         if span <= 0:
             return 1.0
         elapsed = (time.monotonic() if now is None else now) - self.warm_since
@@ -261,7 +261,7 @@ class Worker:
     def engine_fresh(self, now: float) -> bool:
         return (
             self.scraped_at is not None
-            and now - self.scraped_at <= self._settings.scrape_staleness
+            and now - self.scraped_at <= self._settings.scrape_staleness_s
             and self.engine is not None
         )
 
@@ -292,7 +292,7 @@ class Worker:
         fresh = (
             engine is not None
             and scraped is not None
-            and now - scraped <= self._settings.scrape_staleness
+            and now - scraped <= self._settings.scrape_staleness_s
         )
         requests = float(self.inflight)
         running = waiting = None
@@ -300,7 +300,7 @@ class Worker:
         if fresh and engine is not None:
             running, waiting, kv = engine.running, engine.waiting, engine.kv_usage
             requests = max(requests, float(running + waiting + self.sent_since_scrape))
-        weight = self.weight(now) if self._settings.slow_start_seconds > 0 else 1.0
+        weight = self.weight(now) if self._settings.slow_start_s > 0 else 1.0
         raw = requests + (waiting or 0) + self._settings.kv_usage_weight * (kv or 0.0)
         t = self.totals
         return Load(

@@ -1,54 +1,44 @@
-"""``switchyard kvstore``: the KV metadata store as its own service."""
+"""``switchyard kvstore``: the KV metadata store as its own service; flags from its settings."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
 
-import typer
+import click
 
-Opt = typer.Option
+from kvstore.settings import KVStoreSettings
+from switchyard.cliopts import CliError, require_tokenizer, settings_command
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("kvstore")
-    def kvstore_command(
-        config: Annotated[Path | None, Opt(help="YAML config file (section 'kvstore').")] = None,
-        host: Annotated[str | None, Opt(help="Bind address.")] = None,
-        port: Annotated[int | None, Opt(help="HTTP port.")] = None,
-        redis: Annotated[str | None, Opt(help="redis://HOST:PORT/DB; memory if unset.")] = None,
-        redis_prefix: Annotated[str | None, Opt(help="Key prefix (namespace) in Redis.")] = None,
-        subscribe: Annotated[
-            list[str] | None,
-            Opt(help="INSTANCE=tcp://HOST:PORT[,replay=tcp://…][,flavor=sglang][,rank=N]."),
-        ] = None,
-        tokenizer: Annotated[str | None, Opt(help="HF tokenizer dir (chat_template).")] = None,
-        tokenize_url: Annotated[str | None, Opt(help="Engine base URL for /tokenize.")] = None,
-        block_size: Annotated[int | None, Opt(help="Engine KV block size in tokens.")] = None,
-        seed: Annotated[int | None, Opt(help="Block-key hash seed.")] = None,
-        capacity_blocks: Annotated[int | None, Opt(help="Memory index LRU bound.")] = None,
-        speculative_ttl_s: Annotated[float | None, Opt(help="Placement entry TTL.")] = None,
-        lookup_timeout_ms: Annotated[float | None, Opt(help="Degraded after this.")] = None,
-        log_level: Annotated[str | None, Opt(help="uvicorn log level.")] = None,
-    ) -> None:
-        """Run the cross-request KV metadata store (lookups, engine KV events)."""
-        import logging
+def command() -> click.Command:
+    return settings_command(
+        "kvstore",
+        KVStoreSettings,
+        _run,
+        help="Run the cross-request KV metadata store (lookups, engine KV events).",
+        aliases={"workers": ["--worker"], "redis_url": ["--redis", "--redis-url"]},
+    )
 
-        import uvicorn
 
-        from kvstore.build import store_from_settings
-        from kvstore.service import create_app
-        from kvstore.settings import KVStoreSettings
+def _run(settings: KVStoreSettings, config: Path | None) -> None:
+    import logging
 
-        flags = {k: v for k, v in locals().items() if k != "config"}
-        settings = KVStoreSettings.load(config, **flags)
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        app = create_app(store_from_settings(settings))
-        uvicorn.run(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            loop="uvloop",
-            http="httptools",
-        )
+    import uvicorn
+
+    from kvstore.build import store_from_settings
+    from kvstore.service import create_app
+
+    require_tokenizer(settings.tokenizer, "--tokenizer")
+    try:
+        store = store_from_settings(settings)
+    except (ValueError, OSError) as exc:
+        raise CliError(" ".join(str(exc).split())) from None
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(store, settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        loop="uvloop",
+        http="httptools",
+    )

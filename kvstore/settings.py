@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.settings import ServiceSettings
@@ -19,24 +20,40 @@ class Subscription:
 
 
 def parse_subscription(spec: str) -> Subscription:
-    """``INSTANCE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,flavor=sglang][,rank=N]``."""
-    instance, sep, rest = spec.partition("=")
+    """``[INSTANCE=]tcp://HOST:PORT[,replay=tcp://HOST:PORT][,flavor=sglang][,rank=N]``.
+
+    Without ``INSTANCE=`` the endpoint names the instance itself.
+    """
+    bare = spec.strip().startswith(("tcp://", "ipc://"))
+    instance, sep, rest = ("", "=", spec.strip()) if bare else spec.partition("=")
     if not sep or not rest:
-        raise ValueError(f"subscription {spec!r}: expected INSTANCE=tcp://HOST:PORT[,replay=…]")
-    endpoint, *opts = rest.split(",")
+        raise ValueError(
+            f"--subscribe {spec!r}: expected [INSTANCE=]tcp://HOST:PORT[,replay=tcp://…]"
+        )
+    endpoint, *opts = [part.strip() for part in rest.split(",")]
+    if not endpoint.startswith(("tcp://", "ipc://")) or endpoint.endswith(":"):
+        raise ValueError(f"--subscribe {spec!r}: the endpoint must be tcp://HOST:PORT")
     extra: dict[str, str] = {}
     for opt in opts:
         k, eq, v = opt.partition("=")
         if not eq or k not in ("replay", "flavor", "rank"):
-            raise ValueError(f"subscription {spec!r}: unknown option {opt!r}")
+            raise ValueError(f"--subscribe {spec!r}: unknown option {opt!r}")
         extra[k] = v
+    if extra.get("flavor", "vllm") not in ("vllm", "sglang"):
+        raise ValueError(f"--subscribe {spec!r}: flavor must be vllm or sglang")
+    if not extra.get("rank", "0").isdigit():
+        raise ValueError(f"--subscribe {spec!r}: rank must be a number")
     return Subscription(
-        instance.strip(),
-        endpoint.strip(),
+        instance.strip() or endpoint,
+        endpoint,
         extra.get("replay"),
         extra.get("flavor", "vllm"),
         int(extra.get("rank", "0")),
     )
+
+
+# The memory index's bound; MemoryIndex built without settings uses the same value.
+CAPACITY_BLOCKS = 2_000_000
 
 
 class KVStoreSettings(ServiceSettings):
@@ -50,15 +67,26 @@ class KVStoreSettings(ServiceSettings):
     # without it); api_key guards lookups (open without it; the admin key works too).
     api_key: str | None = None
     admin_api_key: str | None = None
-    redis: str | None = None  # redis://host:port/db; memory index when unset
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("redis_url", "redis"),
+        description="redis://HOST:PORT/DB; the memory index when unset",
+    )
     redis_prefix: str = "switchyard:kv:"
     redis_idle_ttl_s: float = 3600.0
     subscribe: list[str] = []
+    # Worker base URLs whose /kv_event_sources (vLLM) name their publishers.
+    workers: list[str] = []
+    # tcp://HOST:PORT to bind for engines that connect their events (llm-d's layout).
+    kv_listen: str | None = None
     tokenizer: str | None = None  # HF dir; else engine /tokenize; else approximate
     tokenize_url: str | None = None
-    block_size: int = 16
+    # Tokens per KV block until an engine's events tell its own (the one default).
+    block_size: int = Field(default=16, gt=0)
     seed: int = 0
-    capacity_blocks: int = 2_000_000
+    capacity_blocks: int = Field(
+        default=CAPACITY_BLOCKS, gt=0, description="memory index bound (LRU), blocks"
+    )
     speculative_ttl_s: float = 30.0
     lookup_timeout_ms: float = 20.0
     log_level: str = "warning"

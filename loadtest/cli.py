@@ -34,7 +34,9 @@ def default_policies() -> str:
 
 
 def register(app: typer.Typer) -> None:
-    bench = typer.Typer(help="Load tests against mock fleets.", no_args_is_help=True)
+    bench = typer.Typer(
+        help="Load tests against mock fleets.", no_args_is_help=True, rich_markup_mode=None
+    )
     app.add_typer(bench, name="bench")
 
     @bench.command("compare")

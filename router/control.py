@@ -96,7 +96,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
         """Several processes without Redis each keep their own registry: a change made
         through one of them would not reach the others."""
         settings = router.settings
-        if settings.processes > 1 and settings.redis is None:
+        if settings.processes > 1 and settings.redis_url is None:
             raise RouterError(
                 409,
                 f"This router runs {settings.processes} processes without --redis: admin "

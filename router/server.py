@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import uvicorn
 from balancer.fleet import Fleet
 from balancer.remote import RemoteFleet
 from balancer.settings import BalancerSettings
+from balancer.view import FleetView
 from balancer.worker import WorkerSpec
 from kvstore.build import store_from_settings
 from kvstore.remote import RemoteKVStore
@@ -39,12 +42,10 @@ def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
     return specs
 
 
-def build_fleet(settings: RouterSettings, config_file: str | Path | None) -> Fleet:
-    balancer = BalancerSettings.load(config_file, redis_url=settings.redis)
+def build_fleet(settings: RouterSettings, config_file: str | Path | None) -> FleetView:
+    balancer = BalancerSettings.load(config_file, redis_url=settings.redis_url)
     if settings.balancer != "embedded":
-        fleet: Fleet = RemoteFleet(
-            settings.balancer, api_key=settings.balancer_api_key, settings=balancer
-        )
+        fleet = RemoteFleet(settings.balancer, api_key=settings.balancer_api_key, settings=balancer)
         for spec in worker_specs(settings):
             fleet.add(spec)
         return fleet
@@ -63,7 +64,7 @@ def build_kvstore(
         return None
     kv = KVStoreSettings.load(
         config_file,
-        redis=settings.redis,
+        redis_url=settings.redis_url,
         tokenizer=settings.tokenizer,
         block_size=settings.block_size,
         speculative_ttl_s=settings.speculative_ttl_s,
@@ -80,6 +81,54 @@ def build_app(settings: RouterSettings, config_file: str | Path | None = None) -
     return RouterApp(settings, fleet, scheduler, kvstore)
 
 
+def preflight(settings: RouterSettings) -> None:
+    """Raise ``ValueError`` (one line) for what would stop start-up, before anything binds.
+
+    The policies of every pool, the worker specs and their ``--kv-events``.
+    """
+    build_scheduler(settings.policy, settings.policy_options, block_size=settings.block_size)
+    pd = settings.pd
+    pools = {"prefill": pd.prefill_policy, "decode": pd.decode_policy, "encode": pd.encode_policy}
+    for pool, policy in pools.items():
+        if policy is not None:
+            try:
+                build_scheduler(policy, pd.policy_options.get(pool), block_size=settings.block_size)
+            except ValueError as exc:
+                raise ValueError(f"pd.{pool}_policy: {exc}") from None
+    worker_specs(settings)
+
+
+def startup_summary(settings: RouterSettings) -> list[str]:
+    """What a user needs to see when the router starts: where, who, how it routes and shares."""
+    specs = worker_specs(settings)
+    kinds = Counter(f"{spec.flavor or 'vllm'} {spec.role.value}" for spec in specs)
+    fleet = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "none yet"
+    if settings.balancer != "embedded":
+        fleet += f"; balancer service {settings.balancer}"
+    scheduler = build_scheduler(
+        settings.policy, settings.policy_options, block_size=settings.block_size
+    )
+    with_events = sum(1 for spec in specs if spec.kv_events)
+    if settings.kvstore != "embedded":
+        kv = f"kvstore service {settings.kvstore}"
+    elif not (scheduler.needs_prefix or settings.tokenizer or settings.kv_events):
+        kv = "off (the policy uses no prefixes)"
+    elif with_events:
+        kv = f"events from {with_events} of {len(specs)} workers, placements for the rest"
+    else:
+        kv = "approximate (the router's own placements, no KV events)"
+    tokens = f"tokenizer {settings.tokenizer}" if settings.tokenizer else "approximate tokens"
+    bs = settings.block_size
+    procs = f", {settings.processes} processes" if settings.processes > 1 else ""
+    return [
+        f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",
+        f"  workers: {len(specs)} ({fleet})",
+        f"  policy: {settings.policy}",
+        f"  kv: {kv}" + ("" if kv.startswith("off") else f"; block size {bs}; {tokens}"),
+        f"  redis: {settings.redis_url or 'no (state is local to this process)'}",
+    ]
+
+
 # What each of several router processes reads to build its own copy of the app.
 SETTINGS_ENV = "SWITCHYARD_ROUTER_PROCESS_SETTINGS"
 CONFIG_ENV = "SWITCHYARD_ROUTER_PROCESS_CONFIG"
@@ -89,6 +138,7 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:
     _logging(settings)
+    print("\n".join(startup_summary(settings)), file=sys.stderr, flush=True)
     if settings.processes > 1:
         _run_processes(settings, config_file)
         return

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import SettingsConfigDict
 
 from router.pd.settings import PDSettings
@@ -17,32 +17,45 @@ class RouterSettings(ServiceSettings):
         env_prefix="SWITCHYARD_ROUTER_", extra="ignore", env_nested_delimiter="__"
     )
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: list[str] = Field(default_factory=list, description="worker URLs (WorkerSpec syntax)")
-    policy: str = "kv_aware"
-    policy_options: dict[str, Any] = Field(default_factory=dict)
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8000, description="bind port")
+    workers: list[str] = Field(
+        default_factory=list,
+        description="worker URL, repeatable; options as 'http://h:p;role=prefill;dp=4'",
+    )
+    policy: str = Field(
+        default="kv_aware",
+        description="round_robin, random, least_load, power_of_two, consistent_hash, "
+        "cache_aware, kv_aware or custom",
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="policy options as JSON (see the README's policies)"
+    )
+    api_key: str | None = Field(default=None, description="Bearer key clients must send")
+    admin_api_key: str | None = Field(default=None, description="Bearer key for /admin")
 
-    connect_timeout_s: float = 3.0
-    first_byte_timeout_s: float = 600.0
-    idle_timeout_s: float = 120.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    connect_timeout_s: float = Field(default=3.0, gt=0, description="connect to a worker")
+    first_byte_timeout_s: float = Field(default=600.0, gt=0, description="worker's first byte")
+    idle_timeout_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
 
-    max_attempts: int = 3
-    retry_backoff_s: float = 0.02
-    retry_backoff_max_s: float = 0.5
-    retry_after_s: int = 1
+    max_attempts: int = Field(default=3, ge=1, description="tries per request over workers")
+    retry_backoff_s: float = Field(default=0.02, ge=0, description="first retry backoff")
+    retry_backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")
+    retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503 answers")
 
-    max_connections_per_worker: int = 0  # 0 = unbounded pool
+    max_connections_per_worker: int = Field(
+        default=0, ge=0, description="connection pool per worker (0: unbounded)"
+    )
     processes: int = Field(default=1, ge=1, description="router processes sharing the port")
-    log_level: str = "warning"
+    log_level: str = Field(default="warning", description="uvicorn and router log level")
 
     # KV-aware routing: where prefix knowledge comes from.
-    tokenizer: str | None = Field(default=None, description="HF tokenizer dir for routing")
+    tokenizer: str | None = Field(
+        default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
+    )
     kv_events: list[str] = Field(
-        default_factory=list, description="WORKER_URL=tcp://HOST:PORT: who publishes KV events"
+        default_factory=list, description="WORKER_URL=tcp://HOST:PORT of its KV-event publisher"
     )
     kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
     balancer: str = Field(default="embedded", description="'embedded' or a balancer service URL")
@@ -55,14 +68,24 @@ class RouterSettings(ServiceSettings):
         description="key sent to the balancer service: its admin_api_key to add workers, "
         "else its api_key",
     )
-    redis: str | None = Field(default=None, description="shared state for router replicas")
-    block_size: int = 16
-    speculative_ttl_s: float = 30.0
-    event_lag_ttl_s: float = 2.0  # placements bridge the wait for engines' KV events
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("redis_url", "redis"),
+        description="Redis URL: state shared by router replicas",
+    )
+    block_size: int = Field(default=16, ge=1, description="engine KV block size, tokens")
+    speculative_ttl_s: float = Field(default=30.0, ge=0, description="TTL of placements recorded without KV events")
+    event_lag_ttl_s: float = Field(
+        default=2.0, ge=0, description="placements bridge the wait for engines' KV events"
+    )
 
     # SLO-aware admission (Mooncake-style early rejection).
-    slo_ttft_ms: float | None = None
-    admission_max_wait_ms: float = 250.0
+    slo_ttft_ms: float | None = Field(
+        default=None, gt=0, description="default TTFT objective for admission"
+    )
+    admission_max_wait_ms: float = Field(
+        default=250.0, ge=0, description="longest wait for a worker to meet the TTFT objective"
+    )
 
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)

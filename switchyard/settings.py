@@ -1,7 +1,13 @@
 """Layered service settings: flags over environment over YAML file over defaults.
 
 Every service (router, balancer, kvstore, mock) has one pydantic-settings model
-that subclasses :class:`ServiceSettings`; ``load`` is the one way to build it.
+that subclasses :class:`ServiceSettings`; ``load`` is the one way to build it, and
+``switchyard.cliopts`` turns its fields into the service's command-line flags.
+
+Durations and sizes carry their unit in the name (``_s``, ``_ms``, ``_us``, ``_bytes``).
+A renamed setting keeps its old name for one release through
+``validation_alias=AliasChoices(new, old)``: the old name still works as a YAML key,
+an environment variable (with the service's prefix) and a flag.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import yaml
+from pydantic import AliasChoices
 from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
@@ -37,11 +44,53 @@ class _YamlSource(PydanticBaseSettingsSource):
         return dict(_yaml_data.get() or {})
 
 
+class _Canonical(PydanticBaseSettingsSource):
+    """Wraps a source so a value given under a field's old name lands on the field's name.
+
+    Sources are merged key by key before validation; without this an old-named key from
+    a lower source (YAML ``redis``) would survive next to the new name from a higher one
+    (env ``..._REDIS_URL``) and whichever alias pydantic tried first would win.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], inner: PydanticBaseSettingsSource):
+        super().__init__(settings_cls)
+        self._inner = inner
+        self._names = old_names(settings_cls)
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._inner.get_field_value(field, field_name)
+
+    def __call__(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in self._inner().items():
+            name = self._names.get(key.lower(), key)
+            if name == key or name not in out:
+                out[name] = value
+        return out
+
+
+def old_names(model: type[BaseSettings]) -> dict[str, str]:
+    """Old (aliased) name -> field name, for every renamed field of ``model``."""
+    out: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        if isinstance(field.validation_alias, AliasChoices):
+            for choice in field.validation_alias.choices:
+                if isinstance(choice, str) and choice != name:
+                    out[choice.lower()] = name
+    return out
+
+
 class ServiceSettings(BaseSettings):
-    """Base for each service's settings; ``section`` names its key in a shared YAML file."""
+    """Base for each service's settings; ``section`` names its key in a shared YAML file.
+
+    ``env_prefix_target="all"`` puts the service prefix on old names too, so a renamed
+    field reads ``SWITCHYARD_ROUTER_REDIS`` and never a bare ``REDIS`` variable.
+    """
 
     section: ClassVar[str] = ""
-    model_config = SettingsConfigDict(extra="ignore", env_nested_delimiter="__")
+    model_config = SettingsConfigDict(
+        extra="ignore", env_nested_delimiter="__", env_prefix_target="all"
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -52,7 +101,11 @@ class ServiceSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSource(settings_cls))
+        return (
+            _Canonical(settings_cls, init_settings),
+            _Canonical(settings_cls, env_settings),
+            _Canonical(settings_cls, _YamlSource(settings_cls)),
+        )
 
     @classmethod
     def load(cls: type[S], config_file: str | Path | None = None, **flags: Any) -> S:

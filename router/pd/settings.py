@@ -17,29 +17,40 @@ Protocol = Literal["vllm", "sglang"]
 class PDSettings(BaseModel):
     """How the router runs disaggregated requests; inert until a protocol or P/D worker exists."""
 
-    protocol: Protocol | None = None
-    prefill: list[str] = Field(default_factory=list, description="prefill worker URLs")
-    decode: list[str] = Field(default_factory=list, description="decode worker URLs")
-    encode: list[str] = Field(default_factory=list, description="encode worker URLs")
+    protocol: Protocol | None = Field(default=None, description="P/D wire protocol")
+    prefill: list[str] = Field(
+        default_factory=list, description="prefill worker URL, repeatable; ';bootstrap=N'"
+    )
+    decode: list[str] = Field(default_factory=list, description="decode worker URL, repeatable")
+    encode: list[str] = Field(
+        default_factory=list, description="encode worker URL (E/P/D), repeatable"
+    )
 
     # One scheduler per pool (names of router/scheduler/policies.py). Prefill: None picks
     # kv_aware when the router has a KV store (prefix reuse lives on prefill workers),
     # else least_load.
-    prefill_policy: str | None = None
-    decode_policy: str = "least_load"
-    encode_policy: str = "consistent_hash"
-    policy_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    prefill_policy: str | None = Field(
+        default=None, description="prefill pool policy (default: kv_aware with a KV store)"
+    )
+    decode_policy: str = Field(default="least_load", description="decode pool policy")
+    encode_policy: str = Field(default="consistent_hash", description="encode pool policy")
+    policy_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per pool policy options as JSON"
+    )
 
-    # Conditional disaggregation: below this many uncached prompt tokens, skip the prefill pool.
-    min_prefill_tokens: int = 0
+    min_prefill_tokens: int = Field(
+        default=0, ge=0, description="skip the prefill pool below this many uncached tokens"
+    )
 
     # Failure handling.
-    prefill_attempts: int = 2
-    prefill_timeout_s: float = 60.0
-    kv_transfer_timeout_s: float = 30.0
-    encode_timeout_s: float = 30.0
-    fallback: bool = True
-    default_bootstrap_port: int = 8998
+    prefill_attempts: int = Field(default=2, ge=1, description="prefill tries over workers")
+    prefill_timeout_s: float = Field(default=60.0, gt=0, description="one prefill leg")
+    kv_transfer_timeout_s: float = Field(default=30.0, gt=0, description="KV pull by decode")
+    encode_timeout_s: float = Field(default=30.0, gt=0, description="one encode leg")
+    fallback: bool = Field(default=True, description="serve unified when P/D fails")
+    default_bootstrap_port: int = Field(
+        default=8998, description="SGLang bootstrap port when a prefill URL names none"
+    )
 
     def worker_specs(self) -> list[WorkerSpec]:
         """The prefill/decode/encode URLs as worker specs with their role set."""

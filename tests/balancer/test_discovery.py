@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def settings(**overrides: Any) -> BalancerSettings:
     values: dict[str, Any] = dict(
-        probe_interval=0.2, probe_timeout=0.2, scrape_interval=0.2, file_poll_interval=0.05
+        probe_interval_s=0.2, probe_timeout_s=0.2, scrape_interval_s=0.2, file_poll_interval_s=0.05
     )
     values.update(overrides)
     return BalancerSettings(**values)
@@ -204,7 +204,7 @@ def kube_settings(kube: KubeStub) -> BalancerSettings:
         kubernetes_host=kube.url,
         kubernetes_namespace="llm",
         kubernetes_selector="app=engine",
-        kubernetes_watch_timeout=2,
+        kubernetes_watch_timeout_s=2,
     )
 
 
@@ -255,7 +255,7 @@ async def test_kubernetes_watch_resumes_after_the_server_ends_it(
     kube: KubeStub, stub_engine: StubFactory
 ) -> None:
     e1 = await stub_engine()
-    fleet = Fleet(kube_settings(kube).model_copy(update={"kubernetes_watch_timeout": 1}))
+    fleet = Fleet(kube_settings(kube).model_copy(update={"kubernetes_watch_timeout_s": 1}))
     await fleet.start()
     try:
         await eventually(lambda: kube.watches >= 2, timeout=10)

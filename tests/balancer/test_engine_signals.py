@@ -84,7 +84,7 @@ async def test_scraped_load_enters_the_load_model_and_goes_stale(
 ) -> None:
     stub = await stub_engine(metrics=SGLANG)
     settings = BalancerSettings(
-        probe_interval=0.1, scrape_interval=0.1, scrape_staleness=0.3, kv_usage_weight=4.0
+        probe_interval_s=0.1, scrape_interval_s=0.1, scrape_staleness_s=0.3, kv_usage_weight=4.0
     )
     fleet = Fleet(settings, [WorkerSpec(stub.url)])
     await fleet.start()
@@ -110,7 +110,7 @@ async def test_mock_engine_with_dp_ranks_is_scraped_per_rank() -> None:
     port = free_port()
     mock = Server(["mock", "--port", str(port), "--dp-size", "2", "--model", "tiny"], port)
     await asyncio.to_thread(mock.start)
-    fleet = Fleet(BalancerSettings(probe_interval=0.1, scrape_interval=0.1))
+    fleet = Fleet(BalancerSettings(probe_interval_s=0.1, scrape_interval_s=0.1))
     worker = fleet.add(WorkerSpec(mock.url, dp_size=2))
     await fleet.start()
     try:

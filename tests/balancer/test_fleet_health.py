@@ -19,11 +19,11 @@ SLACK = 0.15
 
 def fast(**overrides: object) -> BalancerSettings:
     values: dict[str, object] = dict(
-        probe_interval=PROBE,
-        probe_timeout=0.2,
-        scrape_interval=0.2,
-        model_refresh_interval=0.5,
-        cb_open_timeout=0.3,
+        probe_interval_s=PROBE,
+        probe_timeout_s=0.2,
+        scrape_interval_s=0.2,
+        model_refresh_interval_s=0.5,
+        cb_open_timeout_s=0.3,
     )
     values.update(overrides)
     return BalancerSettings(**values)
@@ -137,7 +137,7 @@ async def test_retrying_client_sees_no_errors_when_a_worker_dies(
 
 async def test_consecutive_failures_open_the_circuit(stub_engine: StubFactory) -> None:
     stub = await stub_engine()
-    fleet = await started_fleet(fast(cb_failure_threshold=3, cb_open_timeout=10), stub.url)
+    fleet = await started_fleet(fast(cb_failure_threshold=3, cb_open_timeout_s=10), stub.url)
     try:
         worker = fleet.get(stub.url)
         for _ in range(2):
@@ -166,7 +166,7 @@ async def test_circuit_half_opens_after_timeout_and_closes_on_success(
     stub_engine: StubFactory,
 ) -> None:
     stub = await stub_engine()
-    fleet = await started_fleet(fast(cb_failure_threshold=1, cb_open_timeout=0.3), stub.url)
+    fleet = await started_fleet(fast(cb_failure_threshold=1, cb_open_timeout_s=0.3), stub.url)
     try:
         worker = fleet.get(stub.url)
         fleet.end(fleet.begin(worker), Outcome.SERVER_ERROR)
@@ -186,7 +186,7 @@ async def test_circuit_half_opens_after_timeout_and_closes_on_success(
 
 async def test_failed_trial_reopens_the_circuit(stub_engine: StubFactory) -> None:
     stub = await stub_engine()
-    fleet = await started_fleet(fast(cb_failure_threshold=1, cb_open_timeout=0.2), stub.url)
+    fleet = await started_fleet(fast(cb_failure_threshold=1, cb_open_timeout_s=0.2), stub.url)
     try:
         worker = fleet.get(stub.url)
         fleet.end(fleet.begin(worker), Outcome.CONNECT_ERROR)
@@ -280,7 +280,7 @@ async def test_outlier_ejection_is_capped_to_a_fraction_of_the_fleet(
         outlier_min_requests=10,
         outlier_error_rate=0.5,
         outlier_max_ejected_fraction=0.5,
-        outlier_ejection_time=10,
+        outlier_ejection_s=10,
     )
     fleet = await started_fleet(settings, *(s.url for s in stubs))
     try:
@@ -297,7 +297,7 @@ async def test_outlier_ejection_is_capped_to_a_fraction_of_the_fleet(
 
 async def test_slow_start_weight_ramps_after_a_worker_joins(stub_engine: StubFactory) -> None:
     stub = await stub_engine()
-    settings = fast(slow_start_seconds=0.5, slow_start_min_weight=0.2)
+    settings = fast(slow_start_s=0.5, slow_start_min_weight=0.2)
     fleet = await started_fleet(settings, stub.url)
     try:
         worker = fleet.get(stub.url)
@@ -319,8 +319,8 @@ async def test_ejected_worker_returns_after_ejection_time_with_slow_start(
     settings = fast(
         cb_failure_threshold=1000,
         outlier_min_requests=5,
-        outlier_ejection_time=0.3,
-        slow_start_seconds=1.0,
+        outlier_ejection_s=0.3,
+        slow_start_s=1.0,
     )
     fleet = await started_fleet(settings, a.url, b.url)
     try:

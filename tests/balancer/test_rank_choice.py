@@ -44,7 +44,7 @@ def test_minimum_tokens_picks_the_rank_holding_fewest_tokens() -> None:
 
 
 def test_step_balanced_minimises_the_largest_rank_cost_after_placement() -> None:
-    s = BalancerSettings(step_seq_cost=1.0, step_context_token_cost=0.01, step_prefill_token_cost=0)
+    s = BalancerSettings(step_seq_cost_us=1.0, step_context_token_cost_us=0.01, step_prefill_token_cost_us=0)
     ranks = [RankCounters(inflight=10, decode_seqs=10, decode_tokens=100) for _ in range(3)]
     ranks.append(RankCounters(inflight=2, decode_seqs=2, decode_tokens=3000))
     costs = [rank_cost(s, r) for r in ranks]
@@ -112,7 +112,7 @@ def test_address_without_a_rank_is_the_worker_url_alone() -> None:
 
 
 def test_service_tickets_nobody_ends_expire_as_aborts() -> None:
-    fleet = Fleet(BalancerSettings(ticket_ttl=0.0, cb_failure_threshold=1))
+    fleet = Fleet(BalancerSettings(ticket_ttl_s=0.0, cb_failure_threshold=1))
     worker = fleet.add(WorkerSpec("http://127.0.0.1:9"))
     tickets = Tickets(fleet)
     tickets.add(fleet.begin(worker, prompt_tokens=5))

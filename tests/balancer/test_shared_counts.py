@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def shared_fleet(redis_url: str, worker_url: str) -> Fleet:
-    settings = BalancerSettings(redis_url=redis_url, sync_interval=0.05, lease_seconds=0.5)
+    settings = BalancerSettings(redis_url=redis_url, sync_interval_s=0.05, lease_s=0.5)
     return Fleet(settings, [WorkerSpec.parse(f"{worker_url};dp=2;models=m")])
 
 

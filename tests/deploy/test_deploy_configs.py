@@ -167,7 +167,7 @@ def test_example_config_routes_kv_aware_with_events_per_worker() -> None:
     s = RouterSettings.load(EXAMPLE)
     assert s.policy == "kv_aware"
     assert s.tokenizer == "/models/Llama-3.1-8B-Instruct"
-    assert s.redis == "redis://10.0.0.5:6379/0"
+    assert s.redis_url == "redis://10.0.0.5:6379/0"
     assert s.slo_ttft_ms == 2000
     specs = worker_specs(s)
     assert len(specs) == 3
@@ -199,7 +199,7 @@ def test_configmap_assembles_a_router_that_discovers_engines(tmp_path: Path) -> 
 def test_example_config_loads_balancer_section() -> None:
     s = BalancerSettings.load(EXAMPLE)
     assert s.dp_policy == "step_balanced"
-    assert s.slow_start_seconds == 10.0
+    assert s.slow_start_s == 10.0
     assert s.kubernetes is False
 
 
@@ -262,7 +262,7 @@ def test_configmap_discovers_engines_with_the_default_selector(tmp_path: Path) -
     assert balancer.kubernetes_namespace == "switchyard"
     router = RouterSettings.load(path)
     assert router.workers == [] and router.host == "0.0.0.0"
-    assert router.redis == balancer.redis_url == KVStoreSettings.load(path).redis
+    assert router.redis_url == balancer.redis_url == KVStoreSettings.load(path).redis_url
 
 
 # -- Kubernetes manifests --------------------------------------------------------------------
@@ -371,7 +371,7 @@ def test_tokenizer_init_container_fills_the_path_the_config_names(tmp_path: Path
 def test_router_replicas_share_one_redis_service(tmp_path: Path) -> None:
     docs = manifests("base")
     service = find(docs, "Service", "redis")
-    assert RouterSettings.load(configmap_file(tmp_path)).redis == "redis://redis:6379/0"
+    assert RouterSettings.load(configmap_file(tmp_path)).redis_url == "redis://redis:6379/0"
     assert service["spec"]["ports"][0]["port"] == 6379
     redis = _deployments("base")["redis"]
     assert selector_matches(
@@ -614,15 +614,15 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
     with redis_server() as (redis_url, _), contextlib.ExitStack() as stack:
         # The mock engines' tokenizer stands where the init container puts the model's.
         tok = str(TOKENIZER_DIR)
-        raw["router"].update(host="127.0.0.1", port=router_port, redis=redis_url, tokenizer=tok)
+        raw["router"].update(host="127.0.0.1", port=router_port, redis_url=redis_url, tokenizer=tok)
         raw["balancer"].update(
             host="127.0.0.1",
             port=balancer_port,
             kubernetes=False,
             redis_url=redis_url,
-            probe_interval=0.2,
+            probe_interval_s=0.2,
         )
-        raw["kvstore"].update(host="127.0.0.1", port=kvstore_port, redis=redis_url, tokenizer=tok)
+        raw["kvstore"].update(host="127.0.0.1", port=kvstore_port, redis_url=redis_url, tokenizer=tok)
         # What the overlay's Secret gives each service: placements need the kvstore's admin key.
         raw["kvstore"]["admin_api_key"] = raw["balancer"]["admin_api_key"] = "deploy-admin"
         raw["router"].update(kvstore_api_key="deploy-admin", balancer_api_key="deploy-admin")

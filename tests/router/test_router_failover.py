@@ -11,7 +11,7 @@ from tests.router.stub_backend import StubBackend
 pytestmark = pytest.mark.timeout(60)
 
 BODY = {"model": "stub-model", "prompt": "hi"}
-NO_PROBES = {"balancer": {"probe_interval": 60, "cb_failure_threshold": 1000}}
+NO_PROBES = {"balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000}}
 
 
 def test_refused_worker_is_skipped_with_zero_client_errors(
