@@ -101,7 +101,8 @@ def preflight(settings: RouterSettings) -> None:
 def startup_summary(settings: RouterSettings) -> list[str]:
     """What a user needs to see when the router starts: where, who, how it routes and shares."""
     specs = worker_specs(settings)
-    kinds = Counter(f"{spec.flavor or 'vllm'} {spec.role.value}" for spec in specs)
+    # A flavour not given in the spec is learned from the worker's first /metrics scrape.
+    kinds = Counter(" ".join(filter(None, (spec.flavor, spec.role.value))) for spec in specs)
     fleet = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "none yet"
     if settings.balancer != "embedded":
         fleet += f"; balancer service {settings.balancer}"

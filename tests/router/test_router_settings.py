@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from balancer.settings import BalancerSettings
+from kvstore.memory import MemoryIndex
+from kvstore.settings import KVStoreSettings
 from router.settings import RouterSettings
 
 
@@ -39,3 +42,48 @@ def test_unset_flags_do_not_override(config: Path) -> None:
 def test_defaults_without_any_source() -> None:
     settings = RouterSettings.load()
     assert settings.host == "127.0.0.1" and settings.policy == "kv_aware"
+
+
+def test_an_old_yaml_key_still_sets_the_renamed_setting(tmp_path: Path) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text(
+        "router:\n  redis: redis://127.0.0.1:6379/1\n"
+        "balancer:\n  probe_interval: 0.5\n  slow_start_seconds: 3\n"
+        "kvstore:\n  redis: redis://127.0.0.1:6379/2\n"
+    )
+    assert RouterSettings.load(config).redis_url == "redis://127.0.0.1:6379/1"
+    balancer = BalancerSettings.load(config)
+    assert (balancer.probe_interval_s, balancer.slow_start_s) == (0.5, 3.0)
+    assert KVStoreSettings.load(config).redis_url == "redis://127.0.0.1:6379/2"
+
+
+def test_an_old_environment_variable_still_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWITCHYARD_ROUTER_REDIS", "redis://127.0.0.1:6379/3")
+    monkeypatch.setenv("SWITCHYARD_BALANCER_SCRAPE_INTERVAL", "0.25")
+    assert RouterSettings.load().redis_url == "redis://127.0.0.1:6379/3"
+    assert BalancerSettings.load().scrape_interval_s == 0.25
+
+
+def test_an_unprefixed_variable_is_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS", "redis://elsewhere:6379/0")
+    monkeypatch.setenv("REDIS_URL", "redis://elsewhere:6379/0")
+    assert RouterSettings.load().redis_url is None
+
+
+def test_the_new_name_in_the_environment_beats_the_old_name_in_yaml(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text("balancer:\n  probe_interval: 0.5\n")
+    monkeypatch.setenv("SWITCHYARD_BALANCER_PROBE_INTERVAL_S", "0.1")
+    assert BalancerSettings.load(config).probe_interval_s == 0.1
+
+
+def test_settings_survive_the_json_handed_to_router_processes() -> None:
+    settings = RouterSettings.load(redis_url="redis://127.0.0.1:6379/0")
+    again = RouterSettings.model_validate_json(settings.model_dump_json())
+    assert again.redis_url == "redis://127.0.0.1:6379/0"
+
+
+def test_memory_index_and_kvstore_settings_share_one_capacity_default() -> None:
+    assert MemoryIndex().capacity_blocks == KVStoreSettings().capacity_blocks
