@@ -5,7 +5,7 @@ Three modes:
   ``tokenizer_config.json``), exact;
 - an engine's ``/tokenize`` endpoint, exact, cached per distinct prompt;
 - an approximate character mode (no tokenizer at all): stable pseudo-tokens, one per
-  ``APPROX_CHARS`` characters, good enough to see shared prefixes, marked ``exact=False``.
+  ``CHARS_PER_TOKEN`` characters, good enough to see shared prefixes, marked ``exact=False``.
 
 Repeated prefixes are not re-tokenized: text is cut at boundaries no token can cross
 (special tokens such as ``<|im_start|>``, and a lone newline between two non-space
@@ -26,7 +26,8 @@ import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-APPROX_CHARS = 4
+# Characters per token when no tokenizer is at hand (also the router's token estimate).
+CHARS_PER_TOKEN = 4
 # Pieces shorter than this are merged with their neighbour before caching.
 MIN_PIECE_CHARS = 256
 _CUT = re.compile(r"(?<=\S)\n(?=\S)")
@@ -279,8 +280,8 @@ class RoutingTokenizer:
     def _approx(self, text: str) -> list[int]:
         h = xxhash.xxh32_intdigest
         return [
-            h(text[i : i + APPROX_CHARS].encode()) & 0x7FFFFFFF
-            for i in range(0, len(text), APPROX_CHARS)
+            h(text[i : i + CHARS_PER_TOKEN].encode()) & 0x7FFFFFFF
+            for i in range(0, len(text), CHARS_PER_TOKEN)
         ]
 
     # -- engine /tokenize ------------------------------------------------------------------

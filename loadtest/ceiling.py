@@ -24,6 +24,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from loadtest.workload import Workload
+from mockengine.engine.config import EngineConfig
 from mockengine.settings import DEFAULT_TOKENIZER
 from mockengine.tokenizer import ModelTokenizer
 
@@ -39,8 +40,9 @@ class Ceiling:
         return dict(vars(self))
 
 
-def block_keys(tokens: list[int], block_size: int) -> list[int]:
-    """Chained keys of the full blocks: equal key = equal tokens up to that block's end."""
+def prefix_hashes(tokens: list[int], block_size: int) -> list[int]:
+    """Process-local hash of each full block's whole prefix: equal hash = equal tokens up to
+    that block's end. Only for the offline cache replay; routing keys are ``kvstore.keys``."""
     keys = []
     parent = 0
     for start in range(0, len(tokens) - block_size + 1, block_size):
@@ -57,7 +59,7 @@ def hit_tokens(
     cached = total = 0
     unique = 0
     for tokens, out in zip(prompts, outputs, strict=True):
-        keys = block_keys(tokens, block_size)
+        keys = prefix_hashes(tokens, block_size)
         limit = (len(tokens) - 1) // block_size
         hit = 0
         while hit < limit and keys[hit] in cache:
@@ -83,7 +85,7 @@ def ceiling(
     workload: Workload,
     engines: int,
     num_gpu_blocks: int | None,
-    block_size: int = 16,
+    block_size: int = EngineConfig.block_size,
     tokenizer_dir: str = DEFAULT_TOKENIZER,
 ) -> Ceiling:
     tok = ModelTokenizer(tokenizer_dir)

@@ -14,8 +14,6 @@ import asyncio
 import math
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter
-
 from router.errors import RouterError
 from router.scheduler.framework import Context
 
@@ -70,12 +68,7 @@ class Admission:
         self.model = model
         self.default_slo_ms = default_slo_ms
         self.max_wait_s = max_wait_ms / 1000.0
-        self.decisions = Counter(
-            "switchyard_router_admission",
-            "SLO admission outcomes: admitted, admitted_after_wait, rejected.",
-            ["outcome", "priority"],
-            registry=metrics.registry,
-        )
+        self.decisions = metrics.admission
 
     def objective_s(self, ctx: Context, header_ms: str | None) -> float | None:
         slo_ms = self.default_slo_ms

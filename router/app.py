@@ -12,8 +12,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable
 from typing import Any
+
+from starlette.types import Message, Receive, Scope, Send
 
 from balancer.fleet import Fleet
 from balancer.worker import Worker
@@ -33,11 +35,6 @@ from router.settings import RouterSettings
 from switchyard.auth import data_access
 
 log = logging.getLogger("switchyard.router")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 
 class _ClientGone(Exception):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import aiohttp
 from prometheus_client import Histogram
+from starlette.types import Send
 
 from balancer.fleet import Fleet
 from balancer.worker import Outcome, Ticket, Worker
@@ -20,7 +21,7 @@ from router.admission import TTFTModel
 from router.errors import RouterError
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
-from router.relay import Relay, Send, UpstreamTimeout, response_headers
+from router.relay import Relay, UpstreamTimeout, response_headers
 from router.request import RoutedRequest
 from router.scheduler.framework import Context
 

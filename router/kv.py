@@ -13,10 +13,9 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter
-
 from kvstore.registry import FleetFollower
 from kvstore.store import KVStore, LookupResult
+from router.metrics import KVMetrics
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 
@@ -66,27 +65,11 @@ class KVAwareness:
             fleet.subscribe(self.follower)
             for worker in fleet.workers():
                 self.follower("added", worker)
-        r = metrics.registry
-        self.predicted = Counter(
-            "switchyard_router_predicted_cached_tokens",
-            "Prompt tokens the router expected the chosen worker to have cached.",
-            registry=r,
-        )
-        self.actual = Counter(
-            "switchyard_router_actual_cached_tokens",
-            "Prompt tokens the engines reported as cached (usage.prompt_tokens_details).",
-            registry=r,
-        )
-        self.prompt = Counter(
-            "switchyard_router_prompt_tokens",
-            "Prompt tokens of answered requests that reported usage.",
-            registry=r,
-        )
-        self.degraded = Counter(
-            "switchyard_router_kv_lookups_degraded",
-            "Lookups answered without information (KV store down or slow).",
-            registry=r,
-        )
+        counters = KVMetrics(metrics.registry)
+        self.predicted = counters.predicted
+        self.actual = counters.actual
+        self.prompt = counters.prompt
+        self.degraded = counters.degraded
 
     def has_events(self, worker: Worker) -> bool:
         return bool(worker.spec.kv_events)

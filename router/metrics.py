@@ -1,4 +1,8 @@
-"""Router metrics in Prometheus form, on a registry of its own (one per app instance)."""
+"""Router metrics in Prometheus form, on a registry of its own (one per app instance).
+
+Every metric the router defines lives here; P/D's own live in ``router.pd.metrics``
+and the fleet's gauges are collected at scrape time by ``router.control``.
+"""
 
 from __future__ import annotations
 
@@ -77,4 +81,36 @@ class RouterMetrics(LabelCache):
             "switchyard_router_client_disconnects",
             "Client disconnects that aborted the upstream request.",
             registry=r,
+        )
+        self.admission = Counter(
+            "switchyard_router_admission",
+            "SLO admission outcomes: admitted, admitted_after_wait, rejected.",
+            ["outcome", "priority"],
+            registry=r,
+        )
+
+
+class KVMetrics:
+    """KV-aware routing's predicted vs actual cache hits; registered only with a KV store."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.predicted = Counter(
+            "switchyard_router_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen worker to have cached.",
+            registry=registry,
+        )
+        self.actual = Counter(
+            "switchyard_router_actual_cached_tokens",
+            "Prompt tokens the engines reported as cached (usage.prompt_tokens_details).",
+            registry=registry,
+        )
+        self.prompt = Counter(
+            "switchyard_router_prompt_tokens",
+            "Prompt tokens of answered requests that reported usage.",
+            registry=registry,
+        )
+        self.degraded = Counter(
+            "switchyard_router_kv_lookups_degraded",
+            "Lookups answered without information (KV store down or slow).",
+            registry=registry,
         )

@@ -8,12 +8,10 @@ left to the two ends and SSE chunks are forwarded as read.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from collections.abc import Callable
 
 import aiohttp
-
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+from starlette.types import Send
 
 # Headers that describe one connection, not the message: never forwarded either way.
 HOP_BY_HOP = frozenset(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
+from starlette.types import Send
 
 from balancer.fleet import Fleet
 from balancer.worker import Role, Worker
@@ -28,7 +29,7 @@ from router.pd.legs import LegError, call_json
 from router.pd.metrics import PDMetrics
 from router.pd.pools import Pools, image_key
 from router.pd.settings import PDSettings
-from router.relay import Relay, Send
+from router.relay import Relay
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 

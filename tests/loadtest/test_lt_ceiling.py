@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.ceiling import block_keys, ceiling, hit_tokens
+from loadtest.ceiling import ceiling, hit_tokens, prefix_hashes
 from loadtest.workloads import build_workload
 
 BS = 4
 
 
-def test_block_keys_chain_so_equal_keys_mean_equal_prefixes() -> None:
-    a = block_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], BS)
-    b = block_keys([1, 2, 3, 4, 0, 6, 7, 8], BS)
-    c = block_keys([0, 0, 0, 0, 5, 6, 7, 8], BS)
+def test_prefix_hashes_chain_so_equal_keys_mean_equal_prefixes() -> None:
+    a = prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], BS)
+    b = prefix_hashes([1, 2, 3, 4, 0, 6, 7, 8], BS)
+    c = prefix_hashes([0, 0, 0, 0, 5, 6, 7, 8], BS)
     assert len(a) == 2
     assert a[0] == b[0] and a[1] != b[1]
     assert a[1] != c[1]

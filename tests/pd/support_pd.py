@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 import yaml
 
+from loadtest.prom import values
 from tests.support import Server, free_port
 
 MODEL = "mock-model"
@@ -75,10 +75,4 @@ def vllm_pair(
 
 def metric(url: str, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-    text = httpx.get(url + "/metrics").text
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", text, re.M):
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
+    return sum(values(httpx.get(url + "/metrics").text, name, **labels))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from loadtest.prom import values
 from tests.router.conftest import StartRouter
 from tests.support import TOKENIZER_DIR, Server, free_port
 
@@ -58,8 +58,7 @@ def reset(engines: list[tuple[Server, int]]) -> None:
 
 
 def metric(text: str, name: str) -> float:
-    found = re.findall(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for v in found)
+    return sum(values(text, name))
 
 
 def test_a_repeated_long_prefix_returns_to_the_engine_that_holds_it(

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from loadtest.prom import values
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
 from tests.support import redis_server
@@ -44,12 +45,7 @@ def test_two_processes_serve_one_port_and_sum_their_metrics(
         ids = list(pool.map(complete_once, [router.url] * REQUESTS))
     assert ids == ["cmpl-stub"] * REQUESTS
     metrics = httpx.get(router.url + "/metrics").text
-    served = [
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("switchyard_router_requests_total{") and 'status="200"' in line
-    ]
-    assert sum(served) == REQUESTS
+    assert sum(values(metrics, "switchyard_router_requests_total", status="200")) == REQUESTS
     assert "switchyard_router_worker_routable" in metrics
 
 
