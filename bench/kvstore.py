@@ -59,11 +59,11 @@ async def bench_lookup(index, label: str, n: int) -> None:
     await index.add(single, Location("http://127.0.0.1:9000"))
     for name, ks in (("8 engines share the prefix", keys), ("1 engine holds it", single)):
         for _ in range(20):
-            await index.lookup(ks)
+            await index.lookup(ks, block_size=BLOCK)
         samples = []
         for _ in range(n):
             t0 = time.perf_counter()
-            res = await index.lookup(ks)
+            res = await index.lookup(ks, block_size=BLOCK)
             samples.append(time.perf_counter() - t0)
         assert res[0].matched_tokens == PROMPT_TOKENS
         line(
@@ -89,7 +89,7 @@ def make_payloads(n_batches: int, blocks_per_event: int, events_per_batch: int) 
 
 
 async def bench_ingest(store: KVStore, label: str, payloads: list[bytes], blocks: int) -> None:
-    feed = Feed(Ingestor("http://127.0.0.1:8001", BLOCK), "bench", "tcp://bench")
+    feed = Feed(Ingestor("http://127.0.0.1:8001"), "bench", "tcp://bench")
     t0 = time.perf_counter()
     for seq, payload in enumerate(payloads):
         await store._on_frame(feed, seq, payload)
@@ -105,14 +105,14 @@ def bench_memory_bytes(n_blocks: int) -> None:
     chunks = [[rng.randrange(8000) for _ in range(64 * BLOCK)] for _ in range(n_blocks // 64)]
 
     def index_only() -> MemoryIndex:
-        idx = MemoryIndex(BLOCK, capacity_blocks=n_blocks * 2)
+        idx = MemoryIndex(capacity_blocks=n_blocks * 2)
         for i, tokens in enumerate(chunks):
             idx.add_sync(block_keys(tokens, BLOCK), Location(f"http://127.0.0.1:{8001 + i % 16}"))
         return idx
 
     def via_events() -> tuple[MemoryIndex, list[Ingestor]]:
-        idx = MemoryIndex(BLOCK, capacity_blocks=n_blocks * 2)
-        ings = [Ingestor(f"http://127.0.0.1:{8001 + e}", BLOCK) for e in range(16)]
+        idx = MemoryIndex(capacity_blocks=n_blocks * 2)
+        ings = [Ingestor(f"http://127.0.0.1:{8001 + e}") for e in range(16)]
         h = 1 << 63
         for i, tokens in enumerate(chunks):
             ev = BlockStored(list(range(h, h + 64)), None, tokens, BLOCK)
@@ -167,15 +167,16 @@ async def main(redis_url: str) -> None:
     print(f"  python {sys.version.split()[0]}, block size {BLOCK}, prompt {PROMPT_TOKENS:,} tokens")
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"  {os.cpu_count()} CPUs, load average {load} (p99 is sensitive to other processes)")
-    await bench_lookup(MemoryIndex(BLOCK), "memory", 2000)
-    ridx = RedisIndex(redis_url, BLOCK, prefix="bench:")
+    await bench_lookup(MemoryIndex(), "memory", 2000)
+    ridx = RedisIndex(redis_url, prefix="bench:")
     await ridx._r.flushdb()
     await bench_lookup(ridx, "redis ", 300)
     await ridx.close()
 
     payloads = make_payloads(400, 16, 16)
-    await bench_ingest(KVStore(MemoryIndex(BLOCK, 4_000_000)), "memory", payloads, 400 * 256)
-    rstore = KVStore(RedisIndex(redis_url, BLOCK, prefix="bench2:"), update_timeout_s=10)
+    memory = KVStore(MemoryIndex(capacity_blocks=4_000_000), block_size=BLOCK)
+    await bench_ingest(memory, "memory", payloads, 400 * 256)
+    rstore = KVStore(RedisIndex(redis_url, prefix="bench2:"), block_size=BLOCK, update_timeout_s=10)
     await rstore.start()
     await bench_ingest(rstore, "redis ", payloads[:200], 200 * 256)
     await rstore.stop()

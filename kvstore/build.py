@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvstore.discovery import worker_url
 from kvstore.index import KVIndex
 from kvstore.memory import MemoryIndex
 from kvstore.redis_index import RedisIndex
@@ -20,17 +21,17 @@ def tokenizer_from(settings: KVStoreSettings) -> RoutingTokenizer:
 
 def store_from_settings(settings: KVStoreSettings) -> KVStore:
     index: KVIndex
-    if settings.redis:
+    if settings.redis_url:
         index = RedisIndex(
-            settings.redis,
-            block_size=settings.block_size,
+            settings.redis_url,
             prefix=settings.redis_prefix,
             idle_ttl_s=settings.redis_idle_ttl_s,
         )
     else:
-        index = MemoryIndex(settings.block_size, capacity_blocks=settings.capacity_blocks)
+        index = MemoryIndex(capacity_blocks=settings.capacity_blocks)
     store = KVStore(
         index,
+        block_size=settings.block_size,
         seed=settings.seed,
         tokenizer=tokenizer_from(settings),
         speculative_ttl_s=settings.speculative_ttl_s,
@@ -38,4 +39,8 @@ def store_from_settings(settings: KVStoreSettings) -> KVStore:
     )
     for sub in settings.subscriptions():
         store.subscribe(sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank)
+    if settings.kv_listen:
+        store.listen(settings.kv_listen)
+    if settings.workers:
+        store.follow_workers([worker_url(w) for w in settings.workers])
     return store

@@ -92,12 +92,15 @@ class KVIndex(Protocol):
     """What ``KVStore`` needs from a backend; every call may raise on backend failure."""
 
     kind: BackendKind
-    block_size: int
 
     async def lookup(
-        self, keys: list[int], candidates: Collection[str] | None = None
+        self, keys: list[int], candidates: Collection[str] | None = None, *, block_size: int
     ) -> list[Match]:
-        """Per location, the longest consecutive run from block 0 (best first)."""
+        """Per location, the longest consecutive run from block 0 (best first).
+
+        The index holds keys, not tokens: ``block_size`` is the size of the blocks these
+        keys stand for (engines of one fleet may use different sizes).
+        """
 
     async def add(self, keys: list[int], location: Location, ttl_s: float | None = None) -> None:
         """Record ``location`` as holding ``keys``; with ``ttl_s`` the entries are speculative."""

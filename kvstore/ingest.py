@@ -5,11 +5,15 @@ from its ``token_ids`` (chained from the parent's key, which we look up in the
 engine-hash -> key map), and ``BlockRemoved`` is resolved through the same map.
 A stored block whose parent we never saw (a store that joined late) cannot be
 chained and is skipped; the index converges as the engine stores new prefixes.
+
+The block size is the engine's: every ``BlockStored`` carries it, and the first one
+fixes it for this publisher (until the publisher restarts), so no one has to configure it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from itertools import islice
 
@@ -29,6 +33,21 @@ class IngestStats:
     clears: int = 0
     orphan_blocks: int = 0
     skipped_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTokens:
+    """What one ``BlockStored`` said, kept briefly for the hash-parity check."""
+
+    serial: int
+    rank: int
+    parent_block_hash: EngineHash | None
+    block_hashes: tuple[EngineHash, ...]
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+RECENT_STORED = 256
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
@@ -52,13 +71,13 @@ class Ingestor:
     def __init__(
         self,
         instance: str,
-        block_size: int,
         seed: int = 0,
         default_rank: int = 0,
         max_mapped_blocks: int = 2_000_000,
     ) -> None:
         self.instance = instance
-        self.block_size = block_size
+        # Learned from the first BlockStored; None until then.
+        self.block_size: int | None = None
         self.seed = seed
         self.default_rank = default_rank
         self.max_mapped_blocks = max_mapped_blocks
@@ -67,6 +86,9 @@ class Ingestor:
         # engine hash -> our key, per (rank, tier); bounded so a lossy stream cannot leak.
         self._maps: dict[tuple[int, str], dict[EngineHash, int]] = {}
         self._warned_block_size = False
+        # The last BlockStored events as published (serial numbers grow by one per event).
+        self.recent: deque[StoredTokens] = deque(maxlen=RECENT_STORED)
+        self.stored_serial = 0
 
     def _map(self, rank: int, tier: str) -> dict[EngineHash, int]:
         m = self._maps.get((rank, tier))
@@ -78,9 +100,14 @@ class Ingestor:
         return sum(len(m) for m in self._maps.values())
 
     def forget(self, rank: int | None = None) -> None:
-        """Drop the hash maps (publisher restarted: its hashes may be seeded anew)."""
+        """Drop the hash maps (publisher restarted: its hashes may be seeded anew).
+
+        A restarted publisher may also come back with another block size.
+        """
         if rank is None:
             self._maps.clear()
+            self.block_size = None
+            self._warned_block_size = False
         else:
             for key in [k for k in self._maps if k[0] == rank]:
                 del self._maps[key]
@@ -124,13 +151,27 @@ class Ingestor:
 
     def _stored(self, ev: BlockStored, rank: int) -> Add | None:
         n = len(ev.block_hashes)
+        self.stored_serial += 1
+        self.recent.append(
+            StoredTokens(
+                self.stored_serial,
+                rank,
+                ev.parent_block_hash,
+                tuple(ev.block_hashes),
+                tuple(ev.token_ids),
+                ev.block_size,
+            )
+        )
+        if self.block_size is None and ev.block_size > 0 and len(ev.token_ids) == n * ev.block_size:
+            self.block_size = ev.block_size
+            log.info("%s: engine block size %d (from its events)", self.instance, ev.block_size)
         if ev.block_size != self.block_size or len(ev.token_ids) != n * ev.block_size:
             self.stats.skipped_blocks += n
             if not self._warned_block_size:
                 self._warned_block_size = True
                 log.warning(
-                    "%s: BlockStored with block_size=%d and %d tokens for %d blocks; this store "
-                    "keys %d-token blocks, so these blocks are not indexed",
+                    "%s: BlockStored with block_size=%d and %d tokens for %d blocks; this "
+                    "publisher's blocks have %s tokens, so these blocks are not indexed",
                     self.instance,
                     ev.block_size,
                     len(ev.token_ids),
@@ -153,7 +194,7 @@ class Ingestor:
                 self.stats.orphan_blocks += n
                 return None
             parent = found
-        keys = chain_keys(parent, ev.token_ids, self.block_size, self.seed)
+        keys = chain_keys(parent, ev.token_ids, ev.block_size, self.seed)
         for h, k in zip(ev.block_hashes, keys, strict=True):
             hmap[h] = k
         self.stats.blocks_stored += n

@@ -25,6 +25,7 @@ from kvstore.index import (
     Remove,
     rank_matches,
 )
+from kvstore.settings import CAPACITY_BLOCKS
 
 
 class MemoryIndex:
@@ -32,13 +33,12 @@ class MemoryIndex:
 
     def __init__(
         self,
-        block_size: int = 16,
-        capacity_blocks: int = 1_000_000,
+        *,
+        capacity_blocks: int = CAPACITY_BLOCKS,
         clock: Callable[[], float] | None = None,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
-        self.block_size = block_size
         self.capacity_blocks = capacity_blocks
         self._now = clock or time.monotonic
         self._map: dict[int, int] = {}
@@ -194,7 +194,7 @@ class MemoryIndex:
     # -- lookup ----------------------------------------------------------------------------
 
     def lookup_sync(
-        self, keys: list[int], candidates: Collection[str] | None = None
+        self, keys: list[int], candidates: Collection[str] | None = None, *, block_size: int
     ) -> list[Match]:
         if self._spec_heap and self._spec_heap[0][0] <= self._now():
             self._expire(self._now())
@@ -226,7 +226,7 @@ class MemoryIndex:
             runs.append((alive, done))
         if done:
             self._touch(keys, max(n for _, n in runs))
-        bs = self.block_size
+        bs = block_size
         out: list[Match] = []
         for mask, n in runs:
             if n == 0:
@@ -261,9 +261,9 @@ class MemoryIndex:
     # -- KVIndex (async facade: the memory backend never suspends) -------------------------
 
     async def lookup(
-        self, keys: list[int], candidates: Collection[str] | None = None
+        self, keys: list[int], candidates: Collection[str] | None = None, *, block_size: int
     ) -> list[Match]:
-        return self.lookup_sync(keys, candidates)
+        return self.lookup_sync(keys, candidates, block_size=block_size)
 
     async def add(self, keys: list[int], location: Location, ttl_s: float | None = None) -> None:
         self.add_sync(keys, location, ttl_s)

@@ -156,12 +156,11 @@ class RedisIndex:
     def __init__(
         self,
         url: str,
-        block_size: int = 16,
+        *,
         prefix: str = "switchyard:kv:",
         idle_ttl_s: float = 3600.0,
         socket_timeout_s: float = 1.0,
     ) -> None:
-        self.block_size = block_size
         self.prefix = prefix
         self.idle_ttl_ms = int(idle_ttl_s * 1000)
         self._r = aioredis.Redis.from_url(
@@ -177,7 +176,7 @@ class RedisIndex:
         self._lookup = self._r.register_script(_LOOKUP)
 
     async def lookup(
-        self, keys: list[int], candidates: Collection[str] | None = None
+        self, keys: list[int], candidates: Collection[str] | None = None, *, block_size: int
     ) -> list[Match]:
         if not keys:
             return []
@@ -187,7 +186,7 @@ class RedisIndex:
                 return []
             args.extend(candidates)
         flat = await self._lookup(args=args)
-        bs = self.block_size
+        bs = block_size
         out = []
         for i in range(0, len(flat), 2):
             loc = _location(flat[i].decode())

@@ -15,23 +15,28 @@ import aiohttp
 import orjson
 
 from kvstore.index import Match
+from kvstore.settings import KVStoreSettings
 from kvstore.store import LookupResult
 
 log = logging.getLogger("switchyard.kvstore.remote")
+
+DEFAULT_BLOCK_SIZE: int = KVStoreSettings.model_fields["block_size"].default
 
 
 class RemoteKVStore:
     def __init__(
         self,
         url: str,
-        block_size: int = 16,
+        *,
+        block_size: int | None = None,
         timeout_s: float = 0.05,
         api_key: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         # Sent on every call; placements and instance clears need the service's admin key.
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
-        self.block_size = block_size
+        # The service's block size, from its /health; the settings default until then.
+        self.block_size = block_size or DEFAULT_BLOCK_SIZE
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.degraded = False
         self._session: aiohttp.ClientSession | None = None
@@ -115,6 +120,8 @@ class RemoteKVStore:
             ],
             degraded=d.get("degraded", False),
             exact=d.get("exact", True),
+            sized_keys={int(b): keys for b, keys in (d.get("sized_keys") or {}).items()},
+            instance_block_sizes=d.get("instance_block_sizes") or {},
         )
 
     async def record_placement(

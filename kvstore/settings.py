@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from kvstore.discovery import worker_url
 from switchyard.settings import ServiceSettings
 
 
@@ -17,6 +19,14 @@ class Subscription:
     replay_endpoint: str | None = None
     flavor: str = "vllm"
     dp_rank: int = 0
+
+
+_TCP = re.compile(r"^tcp://(\[[0-9a-fA-F:.]+\]|[^:/\s]+):\d{1,5}$")
+
+
+def zmq_endpoint(endpoint: str) -> bool:
+    """``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    return bool(_TCP.match(endpoint)) or (endpoint.startswith("ipc://") and len(endpoint) > 6)
 
 
 def parse_subscription(spec: str) -> Subscription:
@@ -31,7 +41,7 @@ def parse_subscription(spec: str) -> Subscription:
             f"--subscribe {spec!r}: expected [INSTANCE=]tcp://HOST:PORT[,replay=tcp://…]"
         )
     endpoint, *opts = [part.strip() for part in rest.split(",")]
-    if not endpoint.startswith(("tcp://", "ipc://")) or endpoint.endswith(":"):
+    if not zmq_endpoint(endpoint):
         raise ValueError(f"--subscribe {spec!r}: the endpoint must be tcp://HOST:PORT")
     extra: dict[str, str] = {}
     for opt in opts:
@@ -90,6 +100,25 @@ class KVStoreSettings(ServiceSettings):
     speculative_ttl_s: float = 30.0
     lookup_timeout_ms: float = 20.0
     log_level: str = "warning"
+
+    @field_validator("subscribe")
+    @classmethod
+    def _subscriptions_parse(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            parse_subscription(spec)
+        return value
+
+    @field_validator("workers")
+    @classmethod
+    def _worker_urls(cls, value: list[str]) -> list[str]:
+        return [worker_url(url) for url in value]
+
+    @field_validator("kv_listen")
+    @classmethod
+    def _listen_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not zmq_endpoint(value):
+            raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
+        return value
 
     def subscriptions(self) -> list[Subscription]:
         return [parse_subscription(s) for s in self.subscribe]

@@ -12,18 +12,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import zmq.asyncio
 
 from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
 from kvstore.feed import Feed, FeedInfo, Verdict
-from kvstore.index import KVIndex, Location, LocationInfo, Match
+from kvstore.index import KVIndex, Location, LocationInfo, Match, rank_matches
 from kvstore.ingest import Ingestor
 from kvstore.keys import block_keys, key_extra
+from kvstore.listener import Listener, TopicMap
 from kvstore.memory import MemoryIndex
 from kvstore.metrics import KVStoreMetrics
+from kvstore.registry import FleetFollower, StaticWorker
 from kvstore.subscriber import Subscriber, request_replay
 from kvstore.tokenize import RoutingTokenizer
 
@@ -36,27 +39,47 @@ DEFAULT_SPECULATIVE_TTL_S = 30.0
 
 @dataclass
 class LookupResult:
+    """Matches of one prompt; ``keys`` are its block keys at ``block_size``.
+
+    Engines of one fleet may use different block sizes: ``sized_keys`` holds the keys
+    at every size a candidate uses and ``instance_block_sizes`` the candidates whose
+    size is not ``block_size``, so a placement is recorded in the worker's own keys.
+    """
+
     block_size: int
     total_tokens: int
     keys: list[int]
     matches: list[Match]
     degraded: bool = False
     exact: bool = True  # False when the tokens came from the approximate character mode
+    sized_keys: dict[int, list[int]] = field(default_factory=dict)
+    instance_block_sizes: dict[str, int] = field(default_factory=dict)
+
+    def block_size_of(self, instance: str) -> int:
+        return self.instance_block_sizes.get(instance, self.block_size)
+
+    def keys_for(self, instance: str) -> list[int]:
+        """The prompt's block keys in the block size of ``instance``."""
+        size = self.instance_block_sizes.get(instance)
+        if size is None or size == self.block_size:
+            return self.keys
+        return self.sized_keys.get(size, [])
 
 
 class KVStore:
     """Tokenization, block keys, one index backend and the event feeds, behind one API.
 
-    The index's block size wins over ``block_size`` (which only sizes the default memory
-    index). Lookups in approximate tokenizer mode cannot match engine events (those
-    carry real token ids); they match the router's own ``record_placement`` entries.
+    ``block_size`` is the default: each instance's own size is learned from its events
+    (``block_size_of``), and its blocks are keyed in that size. Lookups in approximate
+    tokenizer mode cannot match engine events (those carry real token ids); they match
+    the router's own ``record_placement`` entries.
     """
 
     def __init__(
         self,
         index: KVIndex | None = None,
         *,
-        block_size: int = 16,
+        block_size: int,
         seed: int = 0,
         tokenizer: RoutingTokenizer | None = None,
         model_tokenizers: dict[str, RoutingTokenizer] | None = None,
@@ -67,8 +90,12 @@ class KVStore:
         replay_timeout_s: float = 1.0,
         metrics: KVStoreMetrics | None = None,
     ) -> None:
-        self.index: KVIndex = index if index is not None else MemoryIndex(block_size)
-        self.block_size = self.index.block_size
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, not {block_size}")
+        self.index: KVIndex = index if index is not None else MemoryIndex()
+        self.block_size = block_size
+        # Block sizes learned from the instances' events (instance -> tokens per block).
+        self.instance_block_sizes: dict[str, int] = {}
         self.seed = seed
         self.tokenizer = tokenizer or RoutingTokenizer.approximate()
         self.model_tokenizers = dict(model_tokenizers or {})
@@ -82,6 +109,12 @@ class KVStore:
         self._ctx: zmq.asyncio.Context | None = None
         self._subscribers: dict[str, Subscriber] = {}
         self._http_feeds: dict[str, Feed] = {}
+        # Engines that connect to us (--kv-listen): one feed per topic.
+        self.topics = TopicMap()
+        self._listener: Listener | None = None
+        self._topic_feeds: dict[bytes, Feed] = {}
+        self._unresolved: set[bytes] = set()
+        self.follower: FleetFollower | None = None
         self._probe: asyncio.Task[None] | None = None
         self._started = False
         self._timeouts_in_row = 0
@@ -96,6 +129,11 @@ class KVStore:
             self._ctx = zmq.asyncio.Context()
         for sub in self._subscribers.values():
             sub.start()
+        if self._listener is not None:
+            self._listener.start()
+            await self._listener.bound()
+        if self.follower is not None:
+            self.follower.start()
         if self.index.kind != "memory":
             try:
                 await asyncio.wait_for(self.index.ping(), self.update_timeout_s)
@@ -105,6 +143,10 @@ class KVStore:
     async def stop(self) -> None:
         for sub in self._subscribers.values():
             await sub.stop()
+        if self._listener is not None:
+            await self._listener.stop()
+        if self.follower is not None:
+            await self.follower.stop()
         if self._probe is not None:
             self._probe.cancel()
             self._probe = None
@@ -143,10 +185,19 @@ class KVStore:
         self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
         return ids, tok.exact or isinstance(prompt, list)
 
+    def block_size_of(self, instance: str) -> int:
+        """The instance's block size: learned from its events, else the default."""
+        return self.instance_block_sizes.get(instance, self.block_size)
+
     def keys_for(
-        self, token_ids: list[int], lora_name: str | None = None, cache_salt: str | None = None
+        self,
+        token_ids: list[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        block_size: int | None = None,
     ) -> list[int]:
-        return block_keys(token_ids, self.block_size, self.seed, key_extra(lora_name, cache_salt))
+        size = block_size or self.block_size
+        return block_keys(token_ids, size, self.seed, key_extra(lora_name, cache_salt))
 
     async def lookup(
         self,
@@ -162,18 +213,60 @@ class KVStore:
         tokens, exact = await self.tokenize(
             model, prompt=prompt, messages=messages, token_ids=token_ids
         )
-        keys = self.keys_for(tokens, lora_name, cache_salt)
-        result = LookupResult(self.block_size, len(tokens), keys, [], exact=exact)
-        if not keys:
+        return await self.match_tokens(tokens, candidates, lora_name, cache_salt, exact=exact)
+
+    def _size_groups(self, candidates: list[str] | None) -> dict[int, list[str] | None]:
+        """Candidates by block size; ``None`` (everyone) is looked up at every known size."""
+        sizes = self.instance_block_sizes
+        if candidates is None:
+            return {b: None for b in {self.block_size, *sizes.values()}}
+        groups: dict[int, list[str] | None] = {}
+        for c in candidates:
+            group = groups.setdefault(sizes.get(c, self.block_size), [])
+            assert group is not None
+            group.append(c)
+        return groups or {self.block_size: []}
+
+    async def match_tokens(
+        self,
+        tokens: list[int],
+        candidates: list[str] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        *,
+        exact: bool = True,
+    ) -> LookupResult:
+        """Matches of a tokenized prompt, each instance keyed in its own block size."""
+        groups = self._size_groups(candidates)
+        extra = key_extra(lora_name, cache_salt)
+        sized = {b: block_keys(tokens, b, self.seed, extra) for b in groups}
+        primary = next(iter(groups)) if len(groups) == 1 else self.block_size
+        if primary not in sized:
+            primary = max(groups, key=lambda b: len(groups[b] or ()))
+        result = LookupResult(primary, len(tokens), sized[primary], [], exact=exact)
+        if len(groups) > 1:
+            result.sized_keys = sized
+            result.instance_block_sizes = dict(self.instance_block_sizes)
+        if not any(sized.values()):
             self.metrics.lookups.labels("empty").inc()
             return result
-        result.matches, result.degraded = await self.lookup_keys(keys, candidates)
+        for size, members in groups.items():
+            if not sized[size]:
+                continue
+            found, degraded = await self.lookup_keys(sized[size], members, size)
+            if members is None and len(groups) > 1:
+                found = [m for m in found if self.block_size_of(m.instance) == size]
+            result.matches.extend(found)
+            result.degraded = result.degraded or degraded
+        if len(groups) > 1:
+            result.matches = rank_matches(result.matches)
         return result
 
     async def lookup_keys(
-        self, keys: list[int], candidates: list[str] | None = None
+        self, keys: list[int], candidates: list[str] | None = None, block_size: int | None = None
     ) -> tuple[list[Match], bool]:
-        """Matches for precomputed keys, and whether the answer is degraded."""
+        """Matches for precomputed keys of ``block_size`` blocks, and whether degraded."""
+        size = block_size or self.block_size
         m = self.metrics
         if self.degraded:
             m.lookups.labels("degraded").inc()
@@ -181,10 +274,10 @@ class KVStore:
         t0 = time.perf_counter()
         try:
             if self.index.kind == "memory":
-                matches = await self.index.lookup(keys, candidates)
+                matches = await self.index.lookup(keys, candidates, block_size=size)
             else:
                 matches = await asyncio.wait_for(
-                    self.index.lookup(keys, candidates), self.lookup_timeout_s
+                    self.index.lookup(keys, candidates, block_size=size), self.lookup_timeout_s
                 )
         except TimeoutError:
             m.lookups.labels("timeout").inc()
@@ -243,15 +336,24 @@ class KVStore:
         self.metrics.index_blocks.set(size)
         return size
 
-    def feeds(self) -> list[FeedInfo]:
-        return [s.feed.info() for s in self._subscribers.values()] + [
-            f.info() for f in self._http_feeds.values()
+    def _all_feeds(self) -> list[Feed]:
+        return [
+            *(s.feed for s in self._subscribers.values()),
+            *self._topic_feeds.values(),
+            *self._http_feeds.values(),
         ]
+
+    def feeds(self) -> list[FeedInfo]:
+        return [f.info() for f in self._all_feeds()]
+
+    def feeds_of(self, instance: str) -> list[Feed]:
+        """The event feeds of one instance (one per DP rank publisher)."""
+        return [f for f in self._all_feeds() if f.instance == instance]
 
     # -- event ingestion -------------------------------------------------------------------
 
     def _ingestor(self, instance: str, dp_rank: int) -> Ingestor:
-        return Ingestor(instance, self.block_size, self.seed, default_rank=dp_rank)
+        return Ingestor(instance, self.seed, default_rank=dp_rank)
 
     def subscribe(
         self,
@@ -276,6 +378,68 @@ class KVStore:
         self._subscribers[endpoint] = sub
         if self._started:
             sub.start()
+
+    def _fleet_follower(self) -> FleetFollower:
+        if self.follower is None:
+            self.follower = FleetFollower(self)
+            if self._started:
+                self.follower.start()
+        return self.follower
+
+    def follow_fleet(self, fleet: Any) -> FleetFollower:
+        """Follow what a worker registry announces (``subscribe(callback)``, ``workers()``)."""
+        follower = self._fleet_follower()
+        fleet.subscribe(follower)
+        for worker in fleet.workers():
+            follower("added", worker)
+        return follower
+
+    def follow_workers(self, urls: list[str]) -> FleetFollower:
+        """Follow workers known only by URL: their ``/kv_event_sources`` name the publishers."""
+        follower = self._fleet_follower()
+        for url in urls:
+            follower("added", StaticWorker(url.rstrip("/")))
+        return follower
+
+    def listen(self, endpoint: str) -> None:
+        """Bind one SUB socket that engines connect to (their topic names them)."""
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--kv-listen wants tcp://HOST:PORT, not {endpoint!r}")
+        if self._listener is not None:
+            raise ValueError("one --kv-listen endpoint per store")
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        self._listener = Listener(self._ctx, endpoint, self._on_topic_frame)
+
+    @property
+    def listen_endpoint(self) -> str | None:
+        return self._listener.endpoint if self._listener is not None else None
+
+    async def _on_topic_frame(self, topic: bytes, seq: int, payload: bytes) -> None:
+        feed = self._topic_feeds.get(topic)
+        if feed is None:
+            name = topic.decode(errors="replace")
+            source = self.topics.resolve(name)
+            if source is None:
+                if topic not in self._unresolved:
+                    self._unresolved.add(topic)
+                    log.warning(
+                        "KV events on topic %r name no known worker; dropped until a worker's "
+                        "/kv_event_sources lists the topic or its host matches one worker",
+                        name,
+                    )
+                self.metrics.decode_errors.inc()
+                return
+            self._unresolved.discard(topic)
+            feed = Feed(
+                self._ingestor(source.instance, source.dp_rank),
+                "listen",
+                self._listener.endpoint if self._listener else None,
+                source.replay_endpoint,
+            )
+            self._topic_feeds[topic] = feed
+            log.info("KV events on topic %r: instance %s", name, source.instance)
+        await self._on_frame(feed, seq, payload)
 
     async def unsubscribe(self, endpoint: str) -> None:
         sub = self._subscribers.pop(endpoint, None)
@@ -331,9 +495,9 @@ class KVStore:
 
     async def _clear_feed(self, feed: Feed, reason: str) -> None:
         """Forget what this publisher told us (its index entries); its hash map stays valid."""
-        ranks = sorted(feed.ingestor.ranks_seen) or [None]
+        ranks: list[int | None] = [*sorted(feed.ingestor.ranks_seen)] or [None]
         for rank in ranks:
-            await self._guard("clear", lambda r=rank: self.index.clear(feed.instance, r))
+            await self._guard("clear", partial(self.index.clear, feed.instance, rank))
         self.metrics.clears.labels(feed.instance, reason).inc()
 
     async def _apply(self, feed: Feed, batch: EventBatch) -> None:
@@ -349,9 +513,20 @@ class KVStore:
             ops = feed.ingestor.ops(batch)
             if ops:
                 await self._guard("apply", lambda: self.index.apply(ops))
+        self._learn_block_size(feed)
         m.blocks_stored.inc(st.blocks_stored - before[0])
         m.blocks_removed.inc(st.blocks_removed - before[1])
         m.orphan_blocks.inc(st.orphan_blocks - before[2])
+
+    def _learn_block_size(self, feed: Feed) -> None:
+        size = feed.ingestor.block_size
+        instance = feed.instance
+        if size is None or self.instance_block_sizes.get(instance) == size:
+            return
+        known = self.instance_block_sizes.get(instance)
+        if known is not None:
+            log.warning("%s: block size %d -> %d (from its events)", instance, known, size)
+        self.instance_block_sizes[instance] = size
 
     async def ingest(
         self,
@@ -432,13 +607,12 @@ class KVStore:
         Redis may have lost everything: each instance is cleared and written again
         from the blocks its events say it holds now.
         """
-        feeds = [s.feed for s in self._subscribers.values()] + list(self._http_feeds.values())
-        for feed in feeds:
+        for feed in self._all_feeds():
             async with feed.lock:
                 ops = feed.ingestor.snapshot()
                 if not ops:
                     continue
-                await self._guard("resync", lambda ops=ops: self.index.apply(ops))
+                await self._guard("resync", partial(self.index.apply, ops))
             if self.degraded:
                 return
             self.metrics.resyncs.labels(feed.instance).inc()

@@ -1,8 +1,10 @@
 """ZMQ SUB client for one engine publisher, with replay over its ROUTER socket.
 
 Runs as an asyncio task on the store's loop (``zmq.asyncio``), so index updates and
-lookups never race. Replay protocol (vLLM): a DEALER sends ``[b"", start_seq]``; the
-publisher answers ``[b"", seq, payload]`` per buffered batch, then ``seq = -1``.
+lookups never race. Replay protocol (vLLM): a DEALER sends ``[b"", start_seq]`` (8 bytes,
+big-endian) to the publisher's ROUTER socket; it answers ``[b"", topic, seq, payload]``
+per buffered batch, then ``seq = -1``. Older publishers leave the topic out, so the
+sequence and payload are read from the end of the frames.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ async def request_replay(
             frames = await sock.recv_multipart()
             if len(frames) < 3:
                 return None
-            seq = decode_seq(frames[1])
+            seq = decode_seq(frames[-2])
             if seq < 0:
                 return out
-            out.append((seq, frames[2]))
+            out.append((seq, frames[-1]))
     finally:
         sock.close(linger=0)
 

@@ -25,9 +25,9 @@ def redis_url() -> Iterator[str]:
 async def index(request: pytest.FixtureRequest) -> AsyncIterator[KVIndex]:
     idx: KVIndex
     if request.param == "memory":
-        idx = MemoryIndex(block_size=16)
+        idx = MemoryIndex()
     else:
         url = request.getfixturevalue("redis_url")
-        idx = RedisIndex(url, block_size=16, prefix=f"test{next(_namespaces)}:")
+        idx = RedisIndex(url, prefix=f"test{next(_namespaces)}:")
     yield idx
     await idx.close()

@@ -10,7 +10,7 @@ A = "http://127.0.0.1:8001"
 
 
 def test_capacity_bounds_the_number_of_indexed_blocks() -> None:
-    idx = MemoryIndex(16, capacity_blocks=640)
+    idx = MemoryIndex(capacity_blocks=640)
     for start in range(0, 100 * 160, 160):
         idx.add_sync(block_keys(list(range(start, start + 160)), 16), Location(A))
     assert len(idx) <= 640
@@ -19,11 +19,11 @@ def test_capacity_bounds_the_number_of_indexed_blocks() -> None:
 
 
 def test_a_prefix_that_keeps_hitting_survives_eviction() -> None:
-    idx = MemoryIndex(16, capacity_blocks=256)
+    idx = MemoryIndex(capacity_blocks=256)
     hot = block_keys(list(range(64)), 16)
     idx.add_sync(hot, Location(A))
     for start in range(10_000, 10_000 + 60 * 80, 80):
         idx.add_sync(block_keys(list(range(start, start + 80)), 16), Location(A))
-        assert idx.lookup_sync(hot)[0].matched_tokens == 64
+        assert idx.lookup_sync(hot, block_size=16)[0].matched_tokens == 64
     cold = block_keys(list(range(10_000, 10_080)), 16)
-    assert idx.lookup_sync(cold) == []
+    assert idx.lookup_sync(cold, block_size=16) == []

@@ -23,7 +23,7 @@ def probe_after_placing(text: str, held: int | None, worker: str) -> tuple[bool,
     """
 
     async def run() -> tuple[bool, Context, int]:
-        store = KVStore(tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR))
+        store = KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR))
         kv = KVAwareness(store, Fleet(), RouterMetrics(), speculative_ttl_s=30.0)
         tokens, _ = await store.tokenize("m", prompt=text)
         await store.record_placement(store.keys_for(tokens[:held]), worker)
