@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Worker
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore
@@ -28,7 +28,7 @@ from router.forward import Forwarder
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.pd.orchestrator import build_orchestrator
-from router.relay import HOP_BY_HOP, Relay
+from router.relay import HOP_BY_HOP, Relay, send_complete
 from router.request import DATA_ROUTES, RoutedRequest, parse
 from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
@@ -69,7 +69,7 @@ class RouterApp:
     def __init__(
         self,
         settings: RouterSettings,
-        fleet: Fleet,
+        fleet: FleetView,
         scheduler: Scheduler,
         kvstore: KVStore | RemoteKVStore | None = None,
     ) -> None:
@@ -350,9 +350,7 @@ class RouterApp:
             return
         headers = [
             (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
             (b"x-request-id", request_id),
             *((k.encode(), v.encode()) for k, v in exc.headers.items()),
         ]
-        await response({"type": "http.response.start", "status": exc.status, "headers": headers})
-        await response({"type": "http.response.body", "body": body})
+        await send_complete(response, exc.status, headers, body)

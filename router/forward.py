@@ -1,7 +1,10 @@
 """One routed request: try the scheduler's choices in order, relay the first answer.
 
-Retries happen only before any byte reached the client: on connect errors,
-timeouts waiting for the response head, and 502/503 from the worker.
+Layered as httpx layers ``send``: ``forward`` is the retry loop, ``_attempt`` one
+accounted call to one worker (``router.upstream.Call``), ``_relay_response`` the
+relay of its answer to the client. Retries happen only before any byte reached the
+client: on connect errors, timeouts waiting for the response head, and 502/503 from
+the worker.
 """
 
 from __future__ import annotations
@@ -15,24 +18,37 @@ import aiohttp
 from prometheus_client import Histogram
 from starlette.types import Send
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Outcome, Ticket, Worker
 from router.admission import TTFTModel
 from router.errors import RouterError
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
-from router.relay import Relay, UpstreamTimeout, response_headers
+from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from router.request import RoutedRequest
 from router.scheduler.framework import Context
+from router.upstream import Call
 
 RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
+# Failures before the response head that another worker may well not have.
+_RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte reached the client; ``error`` is what the client
+    gets if no later attempt answers (None: keep the previous one)."""
+
+    def __init__(self, reason: str, error: RouterError | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
 
 
 class Forwarder:
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: FleetView,
         relay: Relay,
         metrics: RouterMetrics,
         *,
@@ -69,97 +85,99 @@ class Forwarder:
         started: float,
     ) -> tuple[int, str]:
         """Relay the answer of the first worker that gives one; returns (status, worker id)."""
-        last_error: RouterError | None = None
-        last_5xx: tuple[int, list[tuple[bytes, bytes]], bytes, str] | None = None
+        error: RouterError | None = None
         attempts = self.max_attempts
         for attempt in range(attempts):
-            worker = ranked[attempt % len(ranked)]
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
-            rank = self.rank_for(ctx, worker)
-            url = self.fleet.rank_url(worker, rank) if rank is not None else worker.url
-            attempt_headers = headers
-            if rank is not None and worker.spec.dp_mode == "header":
-                attempt_headers = {**headers, "X-data-parallel-rank": str(rank)}
-            work_tokens = (
-                self.ttft_model.work_tokens(ctx, worker) if self.ttft_model is not None else 0.0
-            )
-            if self.kv is not None:
-                await self.kv.placed(ctx, worker, rank)
-            ticket = self.fleet.begin(
-                worker,
-                prompt_tokens=ctx.prompt_tokens,
-                dp_rank=rank,
-                prefill_tokens=ctx.uncached(worker.id) if ctx.prefix is not None else None,
-            )
-            outcome = Outcome.CLIENT_ABORT
+            worker = ranked[attempt % len(ranked)]
+            last = attempt + 1 == attempts
             try:
+                return await self._attempt(
+                    req, ctx, worker, headers, request_id, send, started, last
+                )
+            except _Retry as retry:
+                self.metrics.retries.labels(retry.reason).inc()
+                error = retry.error or error
+        self.metrics.retries.labels("exhausted").inc()
+        assert error is not None
+        raise error
+
+    async def _attempt(
+        self,
+        req: RoutedRequest,
+        ctx: Context,
+        worker: Worker,
+        headers: dict[str, str],
+        request_id: bytes,
+        send: Send,
+        started: float,
+        last: bool,
+    ) -> tuple[int, str]:
+        """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
+        failed before the client saw a byte and another worker may try."""
+        rank = self.rank_for(ctx, worker)
+        work_tokens = (
+            self.ttft_model.work_tokens(ctx, worker) if self.ttft_model is not None else 0.0
+        )
+        if self.kv is not None:
+            await self.kv.placed(ctx, worker, rank)
+        call = Call(
+            self.fleet,
+            worker,
+            rank,
+            req.route,
+            headers,
+            prompt_tokens=ctx.prompt_tokens,
+            prefill_tokens=ctx.uncached(worker.id) if ctx.prefix is not None else None,
+        )
+        try:
+            with call:
+                resp = await self.relay.open(call.url, req.body, call.headers)
                 try:
-                    resp = await self.relay.open(url + req.route, req.body, attempt_headers)
-                except UpstreamTimeout as exc:
-                    outcome = Outcome.TIMEOUT
-                    last_error = RouterError(
-                        504, f"Upstream timeout: {exc}", code="upstream_timeout"
-                    )
-                    self.metrics.retries.labels("timeout").inc()
-                    continue
-                except (aiohttp.ClientConnectionError, OSError) as exc:
-                    outcome = Outcome.CONNECT_ERROR
-                    last_error = RouterError(
-                        502, f"Upstream unreachable: {exc}", code="upstream_unreachable"
-                    )
-                    self.metrics.retries.labels("connect_error").inc()
-                    continue
-                try:
-                    if resp.status in RETRYABLE_STATUS and attempt + 1 < attempts:
+                    status = resp.status
+                    call.head(status)
+                    if status in RETRYABLE_STATUS:
+                        if last:
+                            self.metrics.retries.labels("exhausted").inc()
+                            await self._relay_whole(resp, request_id, send)
+                            return status, worker.id
                         await resp.read()
-                        outcome = Outcome.SERVER_ERROR
-                        self.metrics.retries.labels(f"status_{resp.status}").inc()
-                        continue
-                    if resp.status in RETRYABLE_STATUS:
-                        last_5xx = (
-                            resp.status,
-                            response_headers(resp, request_id),
-                            await self.relay.read_all(resp),
-                            worker.id,
-                        )
-                        outcome = Outcome.SERVER_ERROR
-                        break
-                    try:
+                    else:
                         tail = await self._relay_response(
                             req,
                             resp,
                             request_id,
                             send,
                             started,
-                            ticket,
+                            call.ticket,
                             work_tokens,
-                            self._after_first_byte(ctx, worker, rank),
+                            ctx,
+                            rank,
                         )
-                    except UpstreamTimeout:
-                        outcome = Outcome.TIMEOUT
-                        raise
-                    except aiohttp.ClientError:
-                        outcome = Outcome.SERVER_ERROR
-                        raise
-                    outcome = Outcome.SERVER_ERROR if resp.status >= 500 else Outcome.SUCCESS
-                    if self.kv is not None and resp.status == 200:
-                        self.kv.observe_usage(ctx, worker.id, tail)
-                    return resp.status, worker.id
+                        if self.kv is not None and status == 200:
+                            self.kv.observe_usage(ctx, worker.id, tail)
+                        return status, worker.id
                 finally:
                     resp.close()
-            finally:
-                self.fleet.end(ticket, outcome)
-        self.metrics.retries.labels("exhausted").inc()
-        if last_5xx is not None:
-            status, resp_headers, body, worker_id = last_5xx
-            resp_headers = [(k, v) for k, v in resp_headers if k != b"content-length"]
-            resp_headers.append((b"content-length", str(len(body)).encode()))
-            await send({"type": "http.response.start", "status": status, "headers": resp_headers})
-            await send({"type": "http.response.body", "body": body})
-            return status, worker_id
-        assert last_error is not None
-        raise last_error
+        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+            if call.answered or call.outcome not in _RETRIED:
+                raise
+            if call.outcome is Outcome.TIMEOUT:
+                error = RouterError(504, f"Upstream timeout: {exc}", code="upstream_timeout")
+            else:
+                error = RouterError(
+                    502, f"Upstream unreachable: {exc}", code="upstream_unreachable"
+                )
+            raise _Retry(str(call.outcome), error) from None
+        raise _Retry(f"status_{status}")
+
+    async def _relay_whole(
+        self, resp: aiohttp.ClientResponse, request_id: bytes, send: Send
+    ) -> None:
+        """The last worker's 502/503 goes to the client as it answered."""
+        body = await self.relay.read_all(resp)
+        await send_complete(send, resp.status, response_headers(resp, request_id), body)
 
     async def _relay_response(
         self,
@@ -170,7 +188,8 @@ class Forwarder:
         started: float,
         ticket: Ticket,
         work_tokens: float,
-        after_first_byte: Callable[[], None],
+        ctx: Context,
+        rank: int | None,
     ) -> bytes:
         """Send the worker's answer to the client; return the bytes where usage would be."""
         out_headers = response_headers(resp, request_id)
@@ -181,7 +200,7 @@ class Forwarder:
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
-            mark = self._first_chunk(ttft, started, ticket, work_tokens, after_first_byte)
+            mark = self._first_chunk(ttft, started, ticket, work_tokens, ctx, rank)
             tail = await self.relay.stream(
                 resp, send, mark, lambda n: self.fleet.progress(ticket, n)
             )
@@ -189,23 +208,10 @@ class Forwarder:
             return tail
         body = await self.relay.read_all(resp)
         ttft.observe(time.perf_counter() - started)
-        out_headers.append((b"content-length", str(len(body)).encode()))
-        await send({"type": "http.response.start", "status": resp.status, "headers": out_headers})
-        await send({"type": "http.response.body", "body": body})
-        after_first_byte()
+        await send_complete(send, resp.status, out_headers, body)
+        if self.kv is not None:
+            self.kv.answered(ctx, ticket.worker, rank)
         return body
-
-    def _after_first_byte(
-        self, ctx: Context, worker: Worker, rank: int | None
-    ) -> Callable[[], None]:
-        """Work that must not delay the first byte (it is spawned, and runs after it)."""
-        kv = self.kv
-
-        def run() -> None:
-            if kv is not None:
-                kv.answered(ctx, worker, rank)
-
-        return run
 
     def _first_chunk(
         self,
@@ -213,15 +219,19 @@ class Forwarder:
         started: float,
         ticket: Ticket,
         work_tokens: float,
-        after_first_byte: Callable[[], None],
+        ctx: Context,
+        rank: int | None,
     ) -> Callable[[], None]:
+        """What the first streamed chunk triggers; the KV bookkeeping runs after that byte."""
+
         def mark() -> None:
             elapsed = time.perf_counter() - started
             ttft.observe(elapsed)
             self.fleet.first_token(ticket)
             if self.ttft_model is not None:
                 self.ttft_model.observe(ticket.worker.id, elapsed, work_tokens)
-            after_first_byte()
+            if self.kv is not None:
+                self.kv.answered(ctx, ticket.worker, rank)
 
         return mark
 

@@ -20,7 +20,7 @@ from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
-    from balancer.fleet import Fleet
+    from balancer.view import FleetView
     from balancer.worker import Worker
     from kvstore.remote import RemoteKVStore
     from router.metrics import RouterMetrics
@@ -46,7 +46,7 @@ class KVAwareness:
     def __init__(
         self,
         store: KVStore | RemoteKVStore,
-        fleet: Fleet,
+        fleet: FleetView,
         metrics: RouterMetrics,
         *,
         speculative_ttl_s: float,

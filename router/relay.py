@@ -128,6 +128,15 @@ class Relay:
             raise UpstreamTimeout(f"stream idle for more than {idle}s") from None
 
 
+async def send_complete(
+    send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes
+) -> None:
+    """A complete (non-streamed) answer: ``headers`` plus its content-length, then ``body``."""
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 def response_headers(resp: aiohttp.ClientResponse, request_id: bytes) -> list[tuple[bytes, bytes]]:
     """The worker's headers minus hop-by-hop ones, with the request id guaranteed."""
     out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in HOP_BY_HOP]

@@ -12,9 +12,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Outcome, Worker
 from router.relay import Relay
+from router.upstream import Call
 
 
 class LegError(Exception):
@@ -33,7 +34,7 @@ class LegError(Exception):
 
 
 async def call_json(
-    fleet: Fleet,
+    fleet: FleetView,
     relay: Relay,
     worker: Worker,
     path: str,
@@ -45,33 +46,29 @@ async def call_json(
 ) -> dict[str, Any]:
     """POST ``body`` to ``worker``; the parsed JSON answer, or LegError. Cancel aborts the call."""
     rank = fleet.choose_rank(worker, prompt_tokens=prompt_tokens)
-    url = fleet.rank_url(worker, rank) if rank is not None else worker.url
-    if rank is not None and worker.spec.dp_mode == "header":
-        headers = {**headers, "X-data-parallel-rank": str(rank)}
-    ticket = fleet.begin(worker, prompt_tokens=prompt_tokens, dp_rank=rank)
-    outcome = Outcome.CLIENT_ABORT
+    call = Call(fleet, worker, rank, path, headers, prompt_tokens=prompt_tokens)
     try:
-        try:
+        with call:
             async with asyncio.timeout(timeout_s):
-                async with relay.session.post(url + path, data=body, headers=headers) as resp:
-                    raw = await resp.read()
+                async with relay.session.post(call.url, data=body, headers=call.headers) as resp:
                     status = resp.status
-        except TimeoutError:
-            outcome = Outcome.TIMEOUT
-            raise LegError(
-                504, f"{worker.id} did not answer within {timeout_s:g}s", "timeout"
-            ) from None
-        except (aiohttp.ClientError, OSError) as exc:
-            outcome = Outcome.CONNECT_ERROR
-            raise LegError(502, f"{worker.id} unreachable: {exc}", "connect_error") from None
-        fleet.first_token(ticket)
-        if status != 200:
-            outcome = Outcome.SERVER_ERROR if status >= 500 else Outcome.SUCCESS
-            raise LegError(status, f"{worker.id} answered HTTP {status}", f"status_{status}", raw)
-        outcome = Outcome.SUCCESS
-        return _json(raw)
-    finally:
-        fleet.end(ticket, outcome)
+                    call.head(status)
+                    raw = await resp.read()
+            fleet.first_token(call.ticket)
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise _failed(worker, call.outcome, exc, timeout_s) from None
+    if status != 200:
+        raise LegError(status, f"{worker.id} answered HTTP {status}", f"status_{status}", raw)
+    return _json(raw)
+
+
+def _failed(worker: Worker, outcome: Outcome, exc: BaseException, timeout_s: float) -> LegError:
+    """The LegError of a call that raised; its reason is the outcome the fleet counted."""
+    if outcome is Outcome.TIMEOUT:
+        return LegError(504, f"{worker.id} did not answer within {timeout_s:g}s", str(outcome))
+    if outcome is Outcome.CONNECT_ERROR:
+        return LegError(502, f"{worker.id} unreachable: {exc}", str(outcome))
+    return LegError(502, f"{worker.id} failed while answering: {exc}", str(outcome))
 
 
 def _json(raw: bytes) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Role
 from router.metrics import LabelCache
 
@@ -18,7 +18,7 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 class _PoolLoad(Collector):
     """Per-pool in-flight requests and routable workers, read from the fleet at scrape time."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: FleetView) -> None:
         self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -41,7 +41,7 @@ class _PoolLoad(Collector):
 
 
 class PDMetrics(LabelCache):
-    def __init__(self, registry: CollectorRegistry, fleet: Fleet) -> None:
+    def __init__(self, registry: CollectorRegistry, fleet: FleetView) -> None:
         super().__init__()
         r = registry
         self.paths = Counter(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from starlette.types import Send
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Role, Worker
 from router.errors import RouterError
 from router.forward import Forwarder
@@ -29,7 +29,7 @@ from router.pd.legs import LegError, call_json
 from router.pd.metrics import PDMetrics
 from router.pd.pools import Pools, image_key
 from router.pd.settings import PDSettings
-from router.relay import Relay
+from router.relay import Relay, send_complete
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 
@@ -86,7 +86,7 @@ class PDOrchestrator:
     def __init__(
         self,
         settings: PDSettings,
-        fleet: Fleet,
+        fleet: FleetView,
         relay: Relay,
         forwarder: Forwarder,
         metrics: RouterMetrics,
@@ -396,18 +396,8 @@ class PDOrchestrator:
     async def _pass_error(self, job: _Job, exc: LegError, worker: Worker) -> tuple[int, str]:
         """A leg's client error (bad request, context too long) goes back as the engine said it."""
         body = exc.body or b""
-        await job.watch(
-            {
-                "type": "http.response.start",
-                "status": exc.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"x-request-id", job.request_id),
-                ],
-            }
-        )
-        await job.watch({"type": "http.response.body", "body": body})
+        headers = [(b"content-type", b"application/json"), (b"x-request-id", job.request_id)]
+        await send_complete(job.watch, exc.status, headers, body)
         return exc.status, worker.id
 
     # Metrics.
@@ -437,7 +427,7 @@ async def _cancel(task: asyncio.Task[Any]) -> None:
 
 def build_orchestrator(
     settings: PDSettings,
-    fleet: Fleet,
+    fleet: FleetView,
     relay: Relay,
     forwarder: Forwarder,
     metrics: RouterMetrics,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import xxhash
 
-from balancer.fleet import Fleet
+from balancer.view import FleetView
 from balancer.worker import Role, Worker
 from router.pd.settings import PDSettings
 from router.request import RoutedRequest
@@ -18,7 +18,7 @@ from router.scheduler.policies import build_scheduler
 
 
 class Pools:
-    def __init__(self, fleet: Fleet, settings: PDSettings, has_kvstore: bool = False) -> None:
+    def __init__(self, fleet: FleetView, settings: PDSettings, has_kvstore: bool = False) -> None:
         self.fleet = fleet
         opts = settings.policy_options
         prefill = settings.prefill_policy or ("kv_aware" if has_kvstore else "least_load")

@@ -1,0 +1,112 @@
+"""RemoteFleet: a FleetView over a balancer service, which it composes rather than inherits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from balancer import BalancerSettings, Fleet, Outcome, Worker, WorkerSpec
+from balancer.remote import RemoteFleet
+from balancer.view import FleetView
+from tests.balancer.fleet_stubs import StubFactory, eventually
+from tests.support import free_port
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class StubService:
+    """A balancer service that lists ``listed`` and records every call it gets."""
+
+    def __init__(self) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.listed: list[Worker] = []
+        self.calls: list[tuple[str, str, dict[str, str]]] = []
+        self._runner: web.AppRunner | None = None
+
+    async def _workers(self, _: web.Request) -> web.Response:
+        return web.json_response({"workers": [w.describe() for w in self.listed]})
+
+    async def _record(self, request: web.Request) -> web.Response:
+        self.calls.append((request.method, request.path, dict(request.query)))
+        return web.json_response({})
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/v1/workers", self._workers)
+        app.router.add_route("*", "/{tail:.*}", self._record)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", int(self.url.rsplit(":", 1)[1])).start()
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[StubService]:
+    svc = StubService()
+    await svc.start()
+    yield svc
+    await svc.stop()
+
+
+def _listing(url: str) -> Worker:
+    return Worker(WorkerSpec(url, models=["m"]), BalancerSettings())
+
+
+def routable_ids(fleet: FleetView, model: str) -> list[str]:
+    """What the router asks of any fleet; typed, so mypy checks RemoteFleet against FleetView."""
+    return [w.id for w in fleet.candidates(model)]
+
+
+async def test_remote_fleet_forwards_undrain_to_the_service(service: StubService) -> None:
+    service.listed = [_listing("http://w:1")]
+    fleet = RemoteFleet(service.url, refresh_interval=60)
+    await fleet.start()
+    try:
+        fleet.drain("http://w:1")
+        assert fleet.undrain("http://w:1")
+        undrain = ("POST", "/admin/workers/undrain", {"url": "http://w:1"})
+        await eventually(lambda: undrain in service.calls)
+    finally:
+        await fleet.stop()
+
+
+async def test_remote_fleet_is_no_fleet_subclass_but_routes_as_a_fleet_view(
+    service: StubService,
+) -> None:
+    service.listed = [_listing("http://w:1")]
+    fleet = RemoteFleet(service.url, refresh_interval=60)
+    assert not isinstance(fleet, Fleet)
+    await fleet.start()
+    try:
+        assert routable_ids(fleet, "m") == ["http://w:1"]
+        (worker,) = fleet.candidates("m")
+        ticket = fleet.begin(worker, prompt_tokens=5)
+        assert worker.inflight == 1
+        fleet.end(ticket, Outcome.SUCCESS)
+        assert worker.inflight == 0
+        ended: tuple[str, str, dict[str, str]] = ("POST", f"/v1/tickets/{ticket.id}/end", {})
+        await eventually(lambda: ended in service.calls)
+    finally:
+        await fleet.stop()
+
+
+async def test_remote_fleet_leaves_probing_to_the_service(
+    service: StubService, stub_engine: StubFactory
+) -> None:
+    engine = await stub_engine()
+    service.listed = [_listing(engine.url)]
+    settings = BalancerSettings.model_validate({"probe_interval": 0.05})
+    fleet = RemoteFleet(service.url, refresh_interval=0.05, settings=settings)
+    await fleet.start()
+    try:
+        await asyncio.sleep(0.3)  # six probe intervals
+        assert routable_ids(fleet, "m") == [engine.url]
+        assert engine.probes == 0
+    finally:
+        await fleet.stop()
