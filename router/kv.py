@@ -3,6 +3,8 @@
 With engines that publish KV events the KV store knows what each engine holds.
 Without them the router estimates: it records where it sent each prompt as
 speculative entries with a TTL (approximate mode) and says so in its metrics.
+The store is embedded (``EmbeddedPrefixes``: tokenizes, follows the fleet's events)
+or a kvstore service (``RemotePrefixes``: one HTTP lookup per request).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ import asyncio
 import re
 import time
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvstore.registry import FleetFollower
+from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
 from router.metrics import KVMetrics
 from router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -22,7 +24,6 @@ from router.scheduler.framework import Context
 if TYPE_CHECKING:
     from balancer.view import FleetView
     from balancer.worker import Worker
-    from kvstore.remote import RemoteKVStore
     from router.metrics import RouterMetrics
 
 OCCUPANCY_TTL_S = 0.1
@@ -42,41 +43,51 @@ def usage_tokens(body: bytes) -> tuple[int, int] | None:
     return int(prompts[-1]), int(cached[-1]) if cached else 0
 
 
-class KVAwareness:
-    def __init__(
-        self,
-        store: KVStore | RemoteKVStore,
-        fleet: FleetView,
-        metrics: RouterMetrics,
-        *,
-        speculative_ttl_s: float,
-        event_lag_ttl_s: float = 2.0,
-    ) -> None:
-        self.store = store
-        self.fleet = fleet
-        self.speculative_ttl_s = speculative_ttl_s
-        self.event_lag_ttl_s = event_lag_ttl_s
-        self.follower: FleetFollower | None = None
-        self._pending: set[asyncio.Task[None]] = set()
-        self._occupancy: dict[str, int] = {}
-        self._occupancy_at = -1.0
-        if isinstance(store, KVStore):
-            self.follower = FleetFollower(store)
-            fleet.subscribe(self.follower)
-            for worker in fleet.workers():
-                self.follower("added", worker)
-        counters = KVMetrics(metrics.registry)
-        self.predicted = counters.predicted
-        self.actual = counters.actual
-        self.prompt = counters.prompt
-        self.degraded = counters.degraded
+Prompt = dict[str, Any]  # {"messages": [...]} or {"prompt": "..."}
+
+
+class PrefixSource(Protocol):
+    """Where the router's knowledge of the engines' KV caches comes from."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def follow(self, fleet: FleetView) -> None:
+        """Keep event subscriptions equal to the fleet (embedded only: a service has its own)."""
 
     def has_events(self, worker: Worker) -> bool:
-        return bool(worker.spec.kv_events)
+        """Whether the worker's KV events reach this source (else placements are estimates)."""
 
-    def estimating(self, worker: Worker) -> bool:
-        """Approximate mode for this worker: no KV events, so placements are estimated."""
-        return not self.has_events(worker)
+    async def lookup(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult:
+        """Matches of the whole prompt."""
+
+    async def probe(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult | None:
+        """Matches from a head of the prompt when that decides them, else ``None``."""
+
+    async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
+        """Record speculative entries (returns once the request may go on)."""
+
+    async def place_prompt(
+        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+    ) -> None:
+        """Tokenize the whole prompt and record it as speculative entries of ``instance``."""
+
+    async def occupancy(self) -> dict[str, int]:
+        """Blocks each instance holds (empty when the source cannot say cheaply)."""
+
+
+class EmbeddedPrefixes:
+    """The KV store in the router's own process: follows the fleet, probes prompt heads."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self._occupancy: dict[str, int] = {}
+        self._occupancy_at = -1.0
 
     async def start(self) -> None:
         await self.store.start()
@@ -84,33 +95,27 @@ class KVAwareness:
     async def stop(self) -> None:
         await self.store.stop()
 
-    async def annotate(self, ctx: Context, req: RoutedRequest, candidates: list[Worker]) -> None:
-        """Fill the context with the prefix matches of the candidates."""
-        data: dict[str, Any] = req.data
-        kwargs: dict[str, Any] = {}
-        if req.route == CHAT:
-            kwargs["messages"] = data["messages"]
-        elif req.route == COMPLETIONS:
-            prompt = data["prompt"]
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                prompt = prompt[0]
-            kwargs["prompt"] = prompt
-        else:
-            return
-        salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
-        ids = [w.id for w in candidates]
-        if not await self._probe(ctx, req.model, kwargs, salt, ids):
-            result = await self.store.lookup(
-                req.model, candidates=ids, lora_name=None, cache_salt=salt, **kwargs
-            )
-            if result.degraded:
-                self.degraded.inc()
-            ctx.set_prefix(result)
-        ctx.cached_blocks = await self.occupancy()
+    def follow(self, fleet: FleetView) -> None:
+        self.store.follow_fleet(fleet)
 
-    async def _probe(
-        self, ctx: Context, model: str, kwargs: dict[str, Any], salt: str | None, ids: list[str]
-    ) -> bool:
+    def has_events(self, worker: Worker) -> bool:
+        if worker.spec.kv_events:
+            return True
+        follower = self.store.follower
+        return bool(follower and worker.id in follower.endpoints) or bool(
+            self.store.topic_instances() & {worker.id}
+        )
+
+    async def lookup(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult:
+        return await self.store.lookup(
+            model, candidates=candidates, lora_name=None, cache_salt=salt, **prompt
+        )
+
+    async def probe(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult | None:
         """Tokenize a long prompt only as far as some worker's match reaches.
 
         Tokenizing costs ~1.5 us per token, on the request's path and on the one event
@@ -122,39 +127,41 @@ class KVAwareness:
         KV events gets the whole prompt recorded once the first byte is on its way.
         """
         store = self.store
-        if not isinstance(store, KVStore):
-            return False
         tok = store.tokenizer_for(model)
-        messages, prompt = kwargs.get("messages"), kwargs.get("prompt")
-        text = tok.render_chat(messages) if messages is not None else prompt
+        messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
+        text = tok.render_chat(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
-            return False
+            return None
+        smallest = min(store.block_size_of(c) for c in candidates) if candidates else 0
         chars = PROBE_CHARS
         while True:
             head = tok.encode_head(text, chars, prompt=messages is None)
-            if head is None or len(head) < store.block_size:
-                return False
-            keys = store.keys_for(head, None, salt)
-            matches, degraded = await store.lookup_keys(keys, ids)
-            if degraded:
-                return False
-            longest = max((m.matched_tokens for m in matches), default=0)
-            if longest < len(keys) * store.block_size:
+            if head is None or len(head) < max(smallest, 1):
+                return None
+            result = await store.match_tokens(head, candidates, None, salt)
+            if result.degraded:
+                return None
+            if not any(
+                m.matched_tokens >= _full(len(head), result, m.instance) for m in result.matches
+            ):
                 break
             chars *= PROBE_GROWTH
-        total = round(len(text) * len(head) / chars)
-        ctx.set_prefix(LookupResult(store.block_size, total, keys, matches, exact=False))
-        ctx.deferred_keys = (model, kwargs, salt)
-        return True
+        result.total_tokens = round(len(text) * len(head) / chars)
+        result.exact = False
+        return result
+
+    async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
+        await self.store.record_placement(keys, instance, rank, ttl_s)
+
+    async def place_prompt(
+        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+    ) -> None:
+        tokens, _ = await self.store.tokenize(model, **prompt)
+        keys = self.store.keys_for(tokens, None, salt, self.store.block_size_of(instance))
+        await self.store.record_placement(keys, instance, rank, ttl_s)
 
     async def occupancy(self) -> dict[str, int]:
-        """Blocks each instance holds, from a snapshot at most ``OCCUPANCY_TTL_S`` old.
-
-        Only the embedded store answers this cheaply; with a remote store the
-        scheduler goes without it.
-        """
-        if not isinstance(self.store, KVStore):
-            return self._occupancy
+        """From a snapshot at most ``OCCUPANCY_TTL_S`` old."""
         now = time.monotonic()
         if now - self._occupancy_at > OCCUPANCY_TTL_S:
             self._occupancy_at = now
@@ -165,6 +172,131 @@ class KVAwareness:
             self._occupancy = counts
         return self._occupancy
 
+
+def _full(head_tokens: int, result: LookupResult, instance: str) -> int:
+    """Tokens in the full blocks of a head, in the block size of ``instance``."""
+    size = result.block_size_of(instance)
+    return head_tokens // size * size
+
+
+class RemotePrefixes:
+    """A kvstore service: it tokenizes and follows the engines itself; placements are posted
+    without waiting, and it has no cheap occupancy call, so the scheduler goes without."""
+
+    def __init__(self, store: RemoteKVStore) -> None:
+        self.store = store
+        self._pending: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.store.start()
+
+    async def stop(self) -> None:
+        await self.store.stop()
+
+    def follow(self, fleet: FleetView) -> None:
+        return None
+
+    def has_events(self, worker: Worker) -> bool:
+        return bool(worker.spec.kv_events)
+
+    async def lookup(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult:
+        return await self.store.lookup(
+            model, candidates=candidates, lora_name=None, cache_salt=salt, **prompt
+        )
+
+    async def probe(
+        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+    ) -> LookupResult | None:
+        return None
+
+    async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self.store.record_placement(keys, instance, rank, ttl_s)
+        )
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def place_prompt(
+        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+    ) -> None:
+        result = await self.lookup(model, prompt, salt, [instance])
+        await self.place(result.keys_for(instance), instance, rank, ttl_s)
+
+    async def occupancy(self) -> dict[str, int]:
+        return {}
+
+
+def prefix_source(store: KVStore | RemoteKVStore) -> PrefixSource:
+    if isinstance(store, RemoteKVStore):
+        return RemotePrefixes(store)
+    return EmbeddedPrefixes(store)
+
+
+class KVAwareness:
+    def __init__(
+        self,
+        store: KVStore | RemoteKVStore,
+        fleet: FleetView,
+        metrics: RouterMetrics,
+        *,
+        speculative_ttl_s: float,
+        event_lag_ttl_s: float = 2.0,
+    ) -> None:
+        self.source = prefix_source(store)
+        self.fleet = fleet
+        self.speculative_ttl_s = speculative_ttl_s
+        self.event_lag_ttl_s = event_lag_ttl_s
+        self._pending: set[asyncio.Task[None]] = set()
+        self.source.follow(fleet)
+        counters = KVMetrics(metrics.registry)
+        self.predicted = counters.predicted
+        self.actual = counters.actual
+        self.prompt = counters.prompt
+        self.degraded = counters.degraded
+
+    def has_events(self, worker: Worker) -> bool:
+        return self.source.has_events(worker)
+
+    def estimating(self, worker: Worker) -> bool:
+        """Approximate mode for this worker: no KV events, so placements are estimated."""
+        return not self.has_events(worker)
+
+    async def start(self) -> None:
+        await self.source.start()
+
+    async def stop(self) -> None:
+        await self.source.stop()
+
+    async def annotate(self, ctx: Context, req: RoutedRequest, candidates: list[Worker]) -> None:
+        """Fill the context with the prefix matches of the candidates."""
+        data: dict[str, Any] = req.data
+        prompt: Prompt = {}
+        if req.route == CHAT:
+            prompt["messages"] = data["messages"]
+        elif req.route == COMPLETIONS:
+            text = data["prompt"]
+            if isinstance(text, list) and text and not isinstance(text[0], int):
+                text = text[0]
+            prompt["prompt"] = text
+        else:
+            return
+        salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
+        ids = [w.id for w in candidates]
+        result = await self.source.probe(req.model, prompt, salt, ids)
+        if result is not None:
+            ctx.deferred_keys = (req.model, prompt, salt)
+        else:
+            result = await self.source.lookup(req.model, prompt, salt, ids)
+            if result.degraded:
+                self.degraded.inc()
+        ctx.set_prefix(result)
+        ctx.cached_blocks = await self.source.occupancy()
+
+    async def occupancy(self) -> dict[str, int]:
+        return await self.source.occupancy()
+
     async def placed(self, ctx: Context, worker: Worker, rank: int | None) -> None:
         """Record where the prompt is going, as a speculative entry.
 
@@ -174,13 +306,11 @@ class KVAwareness:
         (events confirm the entry, or it expires after ``event_lag_ttl_s``).
         """
         ttl = self.speculative_ttl_s if self.estimating(worker) else self.event_lag_ttl_s
-        if ctx.prefix is None or not ctx.prefix.keys:
+        if ctx.prefix is None:
             return
-        record = self.store.record_placement(ctx.prefix.keys, worker.id, rank or 0, ttl)
-        if isinstance(self.store, KVStore):
-            await record
-            return
-        self._spawn(record)
+        keys = ctx.prefix.keys_for(worker.id)
+        if keys:
+            await self.source.place(keys, worker.id, rank or 0, ttl)
 
     def answered(self, ctx: Context, worker: Worker, rank: int | None) -> None:
         """The worker answered: record the whole prompt where no KV events will.
@@ -194,16 +324,12 @@ class KVAwareness:
         deferred, ctx.deferred_keys = ctx.deferred_keys, None
         if deferred is None or not self.estimating(worker):
             return
-        self._spawn(self._place_later(deferred, worker.id, rank or 0, self.speculative_ttl_s))
-
-    async def _place_later(
-        self, deferred: tuple[str, dict[str, Any], str | None], instance: str, rank: int, ttl: float
-    ) -> None:
-        model, kwargs, salt = deferred
-        assert isinstance(self.store, KVStore)
-        tokens, _ = await self.store.tokenize(model, **kwargs)
-        keys = self.store.keys_for(tokens, None, salt)
-        await self.store.record_placement(keys, instance, rank, ttl)
+        model, prompt, salt = deferred
+        self._spawn(
+            self.source.place_prompt(
+                model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s
+            )
+        )
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -68,6 +68,7 @@ def build_kvstore(
         tokenizer=settings.tokenizer,
         block_size=settings.block_size,
         speculative_ttl_s=settings.speculative_ttl_s,
+        kv_listen=settings.kv_listen,
     )
     return store_from_settings(kv)
 
@@ -114,12 +115,25 @@ def startup_summary(settings: RouterSettings) -> list[str]:
         kv = f"kvstore service {settings.kvstore}"
     elif not (scheduler.needs_prefix or settings.tokenizer or settings.kv_events):
         kv = "off (the policy uses no prefixes)"
+    elif with_events == len(specs) and specs:
+        kv = f"events from {with_events} of {len(specs)} workers (--kv-events)"
     elif with_events:
-        kv = f"events from {with_events} of {len(specs)} workers, placements for the rest"
+        kv = (
+            f"events from {with_events} of {len(specs)} workers (--kv-events); the others' "
+            "from their /kv_event_sources (vLLM), else approximate placements"
+        )
+    elif not settings.tokenizer:
+        kv = "approximate (the router's own placements; engine events need --tokenizer)"
     else:
-        kv = "approximate (the router's own placements, no KV events)"
+        kv = "events from the workers' /kv_event_sources (vLLM), else approximate placements"
     tokens = f"tokenizer {settings.tokenizer}" if settings.tokenizer else "approximate tokens"
-    bs = settings.block_size
+    bs = (
+        f"{settings.block_size} until learned from events"
+        if settings.block_size
+        else "learned from events"
+    )
+    if settings.kv_listen:
+        kv += f"; listening on {settings.kv_listen} for engines that connect"
     procs = f", {settings.processes} processes" if settings.processes > 1 else ""
     return [
         f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from kvstore.settings import zmq_endpoint
 from router.pd.settings import PDSettings
 from switchyard.settings import ServiceSettings
 
@@ -55,7 +56,9 @@ class RouterSettings(ServiceSettings):
         default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
     )
     kv_events: list[str] = Field(
-        default_factory=list, description="WORKER_URL=tcp://HOST:PORT of its KV-event publisher"
+        default_factory=list,
+        description="WORKER_URL=tcp://HOST:PORT of its KV-event publisher (vLLM workers "
+        "without it are asked for their /kv_event_sources)",
     )
     kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
     balancer: str = Field(default="embedded", description="'embedded' or a balancer service URL")
@@ -73,7 +76,21 @@ class RouterSettings(ServiceSettings):
         validation_alias=AliasChoices("redis_url", "redis"),
         description="Redis URL: state shared by router replicas",
     )
-    block_size: int = Field(default=16, ge=1, description="engine KV block size, tokens")
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV block size, tokens, until an engine's events tell its own "
+        "(default: the kvstore's)",
+    )
+    kv_listen: str | None = Field(
+        default=None,
+        description="tcp://HOST:PORT to bind for engines that connect their KV events",
+    )
+    parity_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="hash-parity self-check per worker: every N s (0: only at start-up)",
+    )
     speculative_ttl_s: float = Field(default=30.0, ge=0, description="TTL of placements recorded without KV events")
     event_lag_ttl_s: float = Field(
         default=2.0, ge=0, description="placements bridge the wait for engines' KV events"
@@ -89,3 +106,10 @@ class RouterSettings(ServiceSettings):
 
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)
+
+    @field_validator("kv_listen")
+    @classmethod
+    def _listen_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not zmq_endpoint(value):
+            raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
+        return value

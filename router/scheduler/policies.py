@@ -264,8 +264,8 @@ def _guard(policy: str, option: Any) -> BoundedLoadGuard | None:
 
 def _default_block_size() -> int:
     """The router's configured default, for schedulers built without settings at hand."""
-    from router.settings import RouterSettings
+    from kvstore.settings import KVStoreSettings
 
-    default = RouterSettings.model_fields["block_size"].default
+    default = KVStoreSettings.model_fields["block_size"].default
     assert isinstance(default, int)
     return default

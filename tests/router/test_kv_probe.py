@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from balancer.fleet import Fleet
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
-from router.kv import KVAwareness
-from router.metrics import RouterMetrics
+from router.kv import EmbeddedPrefixes
 from router.scheduler.framework import Context
 from tests.support import TOKENIZER_DIR
 
@@ -24,12 +22,13 @@ def probe_after_placing(text: str, held: int | None, worker: str) -> tuple[bool,
 
     async def run() -> tuple[bool, Context, int]:
         store = KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR))
-        kv = KVAwareness(store, Fleet(), RouterMetrics(), speculative_ttl_s=30.0)
         tokens, _ = await store.tokenize("m", prompt=text)
         await store.record_placement(store.keys_for(tokens[:held]), worker)
         ctx = Context(model="m")
-        stopped = await kv._probe(ctx, "m", {"prompt": text}, None, ["a", "b"])
-        return stopped, ctx, len(tokens)
+        result = await EmbeddedPrefixes(store).probe("m", {"prompt": text}, None, ["a", "b"])
+        if result is not None:
+            ctx.set_prefix(result)
+        return result is not None, ctx, len(tokens)
 
     return asyncio.run(run())
 
