@@ -2,7 +2,7 @@
 
 ``{"error": {"message", "type", "param", "code"}}`` with ``code`` a string or null,
 so OpenAI clients surface the message whichever service (router, balancer, kvstore)
-refused the request.
+refused the request. ``type`` is one of OpenAI's: any 5xx is a ``server_error``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "timeout_error",
 }
 
 
