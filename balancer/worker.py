@@ -226,6 +226,8 @@ class Worker:
         self.outliers = OutlierWindow(settings.outlier_window)
         self.ejected_until = 0.0
         self.warm_since = time.monotonic()
+        # The router's hash-parity self-check of this worker (router.parity), when run.
+        self.kv_parity: dict[str, Any] | None = None
         self._settings = settings
         self._rr = 0
 
@@ -338,6 +340,7 @@ class Worker:
             "last_error": self.last_error,
             "load": asdict(load),
             "ranks": [asdict(r) for r in self.rank_loads()],
+            "kv_parity": self.kv_parity,
         }
 
 

@@ -18,10 +18,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
 from router.metrics import KVMetrics
+from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from balancer.view import FleetView
     from balancer.worker import Worker
     from router.metrics import RouterMetrics
@@ -79,6 +82,11 @@ class PrefixSource(Protocol):
 
     async def occupancy(self) -> dict[str, int]:
         """Blocks each instance holds (empty when the source cannot say cheaply)."""
+
+    def parity_monitor(
+        self, fleet: FleetView, registry: CollectorRegistry, interval_s: float
+    ) -> ParityMonitor | None:
+        """The hash-parity self-check, where this source sees the engines' events."""
 
 
 class EmbeddedPrefixes:
@@ -172,6 +180,13 @@ class EmbeddedPrefixes:
             self._occupancy = counts
         return self._occupancy
 
+    def parity_monitor(
+        self, fleet: FleetView, registry: CollectorRegistry, interval_s: float
+    ) -> ParityMonitor | None:
+        if not self.store.tokenizer.exact:
+            return None
+        return ParityMonitor(self.store, fleet, registry, interval_s=interval_s)
+
 
 def _full(head_tokens: int, result: LookupResult, instance: str) -> int:
     """Tokens in the full blocks of a head, in the block size of ``instance``."""
@@ -227,6 +242,11 @@ class RemotePrefixes:
     async def occupancy(self) -> dict[str, int]:
         return {}
 
+    def parity_monitor(
+        self, fleet: FleetView, registry: CollectorRegistry, interval_s: float
+    ) -> ParityMonitor | None:
+        return None
+
 
 def prefix_source(store: KVStore | RemoteKVStore) -> PrefixSource:
     if isinstance(store, RemoteKVStore):
@@ -243,6 +263,7 @@ class KVAwareness:
         *,
         speculative_ttl_s: float,
         event_lag_ttl_s: float = 2.0,
+        parity_interval_s: float | None = None,
     ) -> None:
         self.source = prefix_source(store)
         self.fleet = fleet
@@ -250,6 +271,11 @@ class KVAwareness:
         self.event_lag_ttl_s = event_lag_ttl_s
         self._pending: set[asyncio.Task[None]] = set()
         self.source.follow(fleet)
+        self.parity = (
+            self.source.parity_monitor(fleet, metrics.registry, parity_interval_s)
+            if parity_interval_s is not None
+            else None
+        )
         counters = KVMetrics(metrics.registry)
         self.predicted = counters.predicted
         self.actual = counters.actual
@@ -265,8 +291,12 @@ class KVAwareness:
 
     async def start(self) -> None:
         await self.source.start()
+        if self.parity is not None:
+            self.parity.start()
 
     async def stop(self) -> None:
+        if self.parity is not None:
+            await self.parity.stop()
         await self.source.stop()
 
     async def annotate(self, ctx: Context, req: RoutedRequest, candidates: list[Worker]) -> None:
