@@ -28,6 +28,8 @@ from switchyard.realvllm import (
 from tests.support import TOKENIZER_DIR, Server, free_port
 
 MODEL = "switchyard-llama"
+# The routers started here have the admin API on (it is off without a key).
+ADMIN_API_KEY = "real-admin"
 MAX_MODEL_LEN = 2048
 
 
@@ -91,7 +93,8 @@ def start_router(
     """``switchyard router`` as a process in front of ``engines`` (block size 32)."""
     port = free_port()
     config = tmp_path / f"router-{port}.yaml"
-    config.write_text(yaml.safe_dump({"router": {"block_size": BLOCK_SIZE}}))
+    section = {"block_size": BLOCK_SIZE, "admin_api_key": ADMIN_API_KEY}
+    config.write_text(yaml.safe_dump({"router": section}))
     argv = ["router", "--port", str(port), "--policy", policy, "--config", str(config)]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", *extra]
     for e in engines:

@@ -7,7 +7,7 @@ import time
 import httpx
 
 from loadtest.prom import values
-from tests.real.conftest import MODEL
+from tests.real.conftest import ADMIN_API_KEY, MODEL
 from tests.support import Server
 
 LONG = {
@@ -37,8 +37,9 @@ def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
         next(r.iter_lines())
 
         def engine_view() -> dict:
-            listing = httpx.get(router.url + "/admin/workers", timeout=10).json()["workers"]
-            return next(w for w in listing if w["url"] == worker)["ranks"][0]
+            admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
+            listing = httpx.get(router.url + "/admin/workers", headers=admin, timeout=10)
+            return next(w for w in listing.json()["workers"] if w["url"] == worker)["ranks"][0]
 
         until(lambda: (engine_view()["engine_running"] or 0) >= 1)
         view = engine_view()
