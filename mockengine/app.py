@@ -132,6 +132,8 @@ class EngineServer:
                     ("GET", "/flush_cache"): self.reset_prefix_cache,
                 }
             )
+        else:
+            self.routes[("GET", "/kv_event_sources")] = self.kv_event_sources
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -153,6 +155,26 @@ class EngineServer:
     async def load(self, scope: Scope, receive: Receive, send: Send) -> None:
         """vLLM's ``GET /load`` (``--enable-server-load-tracking``): requests in flight."""
         await respond(send, 200, orjson.dumps({"server_load": sum(self.inflight.values())}))
+
+    async def kv_event_sources(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``GET /kv_event_sources``: each served DP rank's events config, as vLLM
+        reports a publisher started with ``tcp://*:PORT`` (ports offset by the rank)."""
+        s = self.s
+        out: dict[str, dict[str, Any]] = {}
+        if s.kv_events_port is not None:
+            for rank in sorted(self.engines):
+                replay = s.kv_events_replay_port
+                out[str(rank)] = {
+                    "enable_kv_cache_events": True,
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{s.kv_events_port + rank}",
+                    "replay_endpoint": None if replay is None else f"tcp://*:{replay + rank}",
+                    "buffer_steps": 10_000,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": s.kv_events_topic,
+                }
+        await respond(send, 200, orjson.dumps(out))
 
     async def version(self, scope: Scope, receive: Receive, send: Send) -> None:
         await respond(send, 200, orjson.dumps({"version": MOCK_VERSIONS[self.s.flavor]}))

@@ -21,6 +21,7 @@ from mockengine.cli import command as mock_command
 from mockengine.cli import register as register_mock_fleet
 from router.cli import command as router_command
 from switchyard.cliopts import CliError
+from switchyard.doctor import command as doctor_command
 
 HELP = "Switchyard: router, DP balancer, KV metadata store and mock engines for LLM fleets."
 
@@ -30,6 +31,7 @@ def cli() -> click.Group:
     group = click.Group("switchyard", help=HELP, no_args_is_help=True)
     for command in (router_command(), mock_command(), balancer_command(), kvstore_command()):
         group.add_command(command)
+    group.add_command(doctor_command())
     tools = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
     register_mock_fleet(tools)
     register_loadtest(tools)

@@ -1,0 +1,151 @@
+"""Hash-parity self-check: a canary per worker says whether the router keys prompts as the
+engine caches them, and names the likely cause when not (mock engines with real events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvstore.ingest import StoredTokens
+from kvstore.store import KVStore
+from kvstore.tokenize import RoutingTokenizer
+from router.parity import ParityChecker, ParityResult, event_chain, likely_cause
+from switchyard.cli import run
+from tests.support import TOKENIZER_DIR, Server, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def tokenizer_variant(tmp: Path, name: str, template: str) -> Path:
+    """A copy of the project's tokenizer whose chat template is ``template``."""
+    out = tmp / name
+    shutil.copytree(TOKENIZER_DIR, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def original_template() -> str:
+    return str(json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())["chat_template"])
+
+
+@pytest.fixture(scope="module")
+def mocks() -> Iterator[dict[str, str]]:
+    """A vLLM mock with KV events (block size 32) and one without events."""
+    started: list[Server] = []
+    try:
+        port = free_port()
+        argv = ["mock", "--port", str(port), "--model", "m", "--speed", "100"]
+        events = [*argv, "--kv-events-port", str(free_port()), "--block-size", "32"]
+        started.append(Server(events, port).start())
+        quiet = free_port()
+        started.append(Server(["mock", "--port", str(quiet), "--model", "m"], quiet).start())
+        yield {"events": started[0].url, "quiet": started[1].url}
+    finally:
+        for server in started:
+            server.stop()
+
+
+def check(url: str, tokenizer_dir: Path) -> tuple[ParityResult, dict[str, int]]:
+    """One parity check of ``url`` from a store that discovered its events by itself."""
+
+    async def go() -> tuple[ParityResult, dict[str, int]]:
+        store = KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(tokenizer_dir))
+        follower = store.follow_workers([url])
+        await store.start()
+        try:
+            await follower.wait()
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as session:
+                result = await ParityChecker(store).check(session, url, "m")
+            return result, dict(store.instance_block_sizes)
+        finally:
+            await store.stop()
+
+    return asyncio.run(go())
+
+
+def test_matching_tokenizer_and_template_are_verified_in_the_engines_block_size(
+    mocks: dict[str, str],
+) -> None:
+    result, sizes = check(mocks["events"], TOKENIZER_DIR)
+    assert result.ok is True, result
+    assert sizes == {mocks["events"]: 32}
+    assert result.block_size == 32
+    full = result.router_tokens // 32 * 32
+    assert result.event_tokens == full == result.predicted_cached_tokens
+    assert result.engine_cached_tokens is not None
+    assert abs(result.engine_cached_tokens - result.predicted_cached_tokens) <= 32
+
+
+def test_a_different_chat_template_is_a_mismatch_named_as_such(
+    mocks: dict[str, str], tmp_path: Path
+) -> None:
+    other = original_template().replace("message['role'] + '\\n'", "message['role'] + ':\\n'")
+    assert other != original_template()
+    result, _ = check(mocks["events"], tokenizer_variant(tmp_path, "colon", other))
+    assert result.ok is False
+    assert result.cause == "chat template"
+    assert result.first_difference is not None
+
+
+def test_an_extra_leading_token_is_named_bos(mocks: dict[str, str], tmp_path: Path) -> None:
+    result, _ = check(
+        mocks["events"], tokenizer_variant(tmp_path, "bos", "<|endoftext|>" + original_template())
+    )
+    assert result.ok is False
+    assert result.cause == "BOS"
+
+
+def test_a_worker_without_events_is_checked_on_prompt_and_cached_tokens(
+    mocks: dict[str, str],
+) -> None:
+    result, sizes = check(mocks["quiet"], TOKENIZER_DIR)
+    assert sizes == {}
+    assert result.event_tokens is None
+    assert result.engine_prompt_tokens == result.router_tokens
+    assert result.ok is True, result
+
+
+def test_doctor_exits_0_when_all_match_and_1_on_a_template_mismatch(
+    mocks: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(["doctor", "--worker", mocks["events"], "--tokenizer", str(TOKENIZER_DIR)]) == 0
+    report = capsys.readouterr().out
+    assert "flavour:      vllm" in report and "block size:   32" in report
+    assert "parity:       verified" in report and "vllm:num_requests_running" in report
+    other = original_template().replace("message['role'] + '\\n'", "message['role'] + ':\\n'")
+    bad = tokenizer_variant(tmp_path, "colon", other)
+    assert run(["doctor", "--worker", mocks["events"], "--tokenizer", str(bad)]) == 1
+    assert "likely cause: chat template" in capsys.readouterr().out
+
+
+def test_doctor_rejects_a_bad_worker_url_with_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run(["doctor", "--worker", "ftp://x"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--worker" in err[0]
+
+
+def test_the_canary_chain_follows_parent_hashes_from_the_root() -> None:
+    events = [
+        StoredTokens(1, 0, None, (1, 2), (10, 11, 12, 13), 2),
+        StoredTokens(2, 0, 99, (7,), (0, 0), 2),
+        StoredTokens(3, 0, 2, (3,), (14, 15), 2),
+    ]
+    assert event_chain(events) == [10, 11, 12, 13, 14, 15]
+
+
+def test_likely_cause_tells_bos_template_and_tokenizer_apart() -> None:
+    router = [5, 6, 7, 8, 9, 10, 11, 12]
+    assert likely_cause(router, [1, *router], router[2:]) == "BOS"
+    assert likely_cause(router, [40, 41, *router[2:]], router[2:]) == "chat template"
+    assert likely_cause(router, [60, 61, 62, 63, 64], router[2:]) == "tokenizer"
