@@ -1,6 +1,6 @@
-"""Issue 6's routing comparison: kv_aware against round_robin and smg's cache_aware.
+"""The routing comparison: kv_aware against round_robin and smg's cache_aware.
 
-Runs the scenarios of the issue on one mock fleet each (8 engines, KV tight enough
+Runs four scenarios on one mock fleet each (8 engines, KV tight enough
 that routing matters), three repetitions in alternating order, and checks the targets:
 
 - (a) reuse workloads (multiturn, mooncake): kv_aware hit rate ≥ smg's and within

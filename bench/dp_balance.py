@@ -24,7 +24,7 @@ picks the rank minimising the lockstep work (the largest rank's load) summed ove
 256 steps. It shows what exact foresight of decode work buys a greedy one-request-at-a-time
 choice.
 
-Each concurrency and seed is one scenario; the summary says for each whether the issue's
+Each concurrency and seed is one scenario; the summary says for each whether the DP-balance
 target holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
@@ -52,7 +52,7 @@ from mockengine.engine.core import EngineCore, Seq
 POLICIES = ("round_robin", "least_requests", "minimum_tokens", "step_balanced")
 CLAIRVOYANT = "clairvoyant"
 TARGET_RATIO = 1.15  # step_balanced must stay at or under this...
-RR_BAD_RATIO = 1.5  # ...where round_robin exceeds this (issue 5)
+RR_BAD_RATIO = 1.5  # ...where round_robin exceeds this
 HORIZON_STEPS = 256
 
 
@@ -255,7 +255,7 @@ def windows(ratios: list[tuple[float, float]], n: int) -> list[float]:
 
 
 def verdict(results: dict[str, Result]) -> str:
-    """Whether this scenario shows the issue's target, and if not, which part fails."""
+    """Whether this scenario meets the DP-balance target, and if not, which part fails."""
     rr, sb = results.get("round_robin"), results.get("step_balanced")
     if rr is None or sb is None:
         return "not judged (needs round_robin and step_balanced)"

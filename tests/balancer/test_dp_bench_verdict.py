@@ -1,4 +1,4 @@
-"""The DP balance bench says plainly whether the issue's target holds in a scenario."""
+"""The DP balance bench says plainly whether the DP-balance target holds in a scenario."""
 
 from __future__ import annotations
 
