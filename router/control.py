@@ -127,7 +127,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
             # Every process writes its samples to files: sum them all, whichever answers.
             # The fleet gauges are the answering process's own view.
             registry = CollectorRegistry()
-            MultiProcessCollector(registry)
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # unannotated upstream
             registry.register(fleet_collector)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 from starlette.types import ASGIApp
@@ -30,6 +29,18 @@ WORKER = "http://127.0.0.1:9"  # nothing listens: admin calls need no live engin
 TOKENS = list(range(100, 164))
 
 MakeApp = Callable[..., ASGIApp]
+
+
+class Answer(Protocol):
+    """An HTTP response, as the test client returns it."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    @property
+    def text(self) -> str: ...
+
+    def json(self) -> Any: ...
 
 
 def router(**keys: Any) -> ASGIApp:
@@ -70,16 +81,16 @@ def serve() -> Iterator[Callable[[ASGIApp], TestClient]]:
         client.__exit__(None, None, None)
 
 
-def openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
+def openai_error(resp: Answer, status: int) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
+    error: dict[str, Any] = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"]
     assert error["code"] is None or isinstance(error["code"], str)
     return error
 
 
-def admin_call(client: TestClient, service: str, headers: dict[str, str]) -> httpx.Response:
+def admin_call(client: TestClient, service: str, headers: dict[str, str]) -> Answer:
     method, path, body = ADMIN_CHANGE[service]
     return client.request(method, path, json=body, headers=headers)
 
