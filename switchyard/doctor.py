@@ -24,7 +24,13 @@ from kvstore.tokenize import RoutingTokenizer
 from loadtest.prom import labels_of
 from router.parity import ParityChecker, ParityResult
 
-SIGNALS = (*RUNNING, *WAITING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_CAPACITY)
+# The load signals the balancer reads, each under the names either flavour may use.
+SIGNALS: dict[str, tuple[str, ...]] = {
+    "running": tuple(RUNNING),
+    "waiting": tuple(WAITING),
+    "kv usage": tuple(KV_USAGE),
+    "kv capacity": (VLLM_CACHE_INFO, SGLANG_CAPACITY),
+}
 
 
 @dataclass
@@ -65,9 +71,9 @@ class Report:
         if p is None:
             out.append("  parity:       not checked")
         else:
-            verdict = "verified" if p.ok else "MISMATCH" if p.ok is False else "undecided"
+            verdict = "MISMATCH: " if p.ok is False else "undecided: " if p.ok is None else ""
             cause = f"; likely cause: {p.cause}" if p.cause else ""
-            out.append(f"  parity:       {verdict}: {p.reason}{cause}")
+            out.append(f"  parity:       {verdict}{p.reason}{cause}")
             out.append(
                 f"                canary {p.router_tokens} tokens (engine counts "
                 f"{p.engine_prompt_tokens}), published {p.event_tokens}, predicted cached "
@@ -76,7 +82,7 @@ class Report:
         seen = ", ".join(self.metrics_seen) or "none"
         out.append(f"  metrics seen: {seen}")
         if self.metrics_missing and self.flavor:
-            out.append(f"  not served:   {', '.join(self.metrics_missing)}")
+            out.append(f"  load signals missing: {', '.join(self.metrics_missing)}")
         return out
 
 
@@ -113,8 +119,12 @@ async def examine(
     if report.flavor is None and any(n.startswith("sglang:") for n in names):
         report.flavor = "sglang"
     prefix = f"{report.flavor}:" if report.flavor else ""
-    report.metrics_seen = sorted(s for s in SIGNALS if s in names)
-    report.metrics_missing = sorted(s for s in SIGNALS if s.startswith(prefix) and s not in names)
+    report.metrics_seen = sorted(n for group in SIGNALS.values() for n in group if n in names)
+    report.metrics_missing = [
+        signal
+        for signal, group in SIGNALS.items()
+        if not any(n in names for n in group if n.startswith(prefix))
+    ]
     info = labels_of(metrics, VLLM_CACHE_INFO)
     if info and info[0].get("block_size", "").isdigit():
         report.block_size, report.block_size_source = int(info[0]["block_size"]), "metrics"
