@@ -130,7 +130,7 @@ class KVEventPublisher:
         self.topic = topic.encode()
         self.encoding: Encoding = encoding
         self.dp_rank = dp_rank
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._inbox_addr = f"inproc://kvevents-{id(self)}"
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._seq = itertools.count()

@@ -192,7 +192,7 @@ class StreamEncoder:
         return b"".join((self._head, filler(n_tokens), self._mid, tail, b"}\n\n"))
 
     def usage_chunk(self, use: dict[str, Any]) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "id": self._id,
             "object": "chat.completion.chunk" if self._chat else "text_completion",
             "created": self._created,

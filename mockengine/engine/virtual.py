@@ -121,7 +121,7 @@ class VirtualFleet:
             elif kind == _CANCEL:
                 self._cancel(t, payload)  # type: ignore[arg-type]
             else:
-                eng = self.engines[payload]  # type: ignore[index]
+                eng = self.engines[payload]  # type: ignore[call-overload]
                 if eng.wake_at == t:
                     eng.wake_at = None
                 if not eng.busy:
