@@ -87,7 +87,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         click.echo(exc.ctx.get_help() if exc.ctx else HELP)
         return 0
     except click.ClickException as exc:
-        where = f"switchyard {exc.ctx.info_name}" if _sub(exc) else "switchyard"
+        where = f"switchyard {_sub(exc)}" if _sub(exc) else "switchyard"
         click.echo(f"{where}: {' '.join(exc.format_message().split())}", err=True)
         return 2 if isinstance(exc, click.UsageError) else exc.exit_code
     except click.exceptions.Exit as exc:
@@ -98,9 +98,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     return code if isinstance(code, int) else 0
 
 
-def _sub(exc: click.ClickException) -> bool:
-    ctx = getattr(exc, "ctx", None)
-    return bool(ctx and ctx.parent is not None and ctx.info_name)
+def _sub(exc: click.ClickException) -> str | None:
+    """The subcommand an error belongs to (usage errors and ``CliError`` carry a context)."""
+    ctx: click.Context | None = getattr(exc, "ctx", None)
+    return ctx.info_name if ctx is not None and ctx.parent is not None else None
 
 
 def main() -> None:
