@@ -52,6 +52,21 @@ def engines() -> Iterator[list[tuple[Server, int]]]:
             server.stop()
 
 
+@pytest.fixture(scope="module")
+def quiet_engines() -> Iterator[list[Server]]:
+    """Mock engines that publish no KV events (their /kv_event_sources is empty)."""
+    started: list[Server] = []
+    try:
+        for _ in range(2):
+            port = free_port()
+            argv = ["mock", "--port", str(port), "--model", "m", "--speed", "100"]
+            started.append(Server(argv, port).start())
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
 def reset(engines: list[tuple[Server, int]]) -> None:
     for server, _ in engines:
         httpx.post(server.url + "/reset_prefix_cache").raise_for_status()
@@ -85,12 +100,40 @@ def test_a_repeated_long_prefix_returns_to_the_engine_that_holds_it(
     assert metric(text, "switchyard_router_actual_cached_tokens_total") == sum(cached)
 
 
-def test_approximate_mode_without_events_keeps_affinity_and_says_so(
+def test_without_kv_flags_events_are_discovered_and_parity_is_verified(
     engines: list[tuple[Server, int]], start_router: StartRouter
 ) -> None:
     reset(engines)
     router = start_router(
         *(s.url for s, _ in engines),
+        args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR)),
+        config={"router": {"admin_api_key": "adm"}},
+    ).url
+    served, cached = [], []
+    for turn in range(4):
+        resp = httpx.post(router + "/v1/chat/completions", json=chat(turn), timeout=30)
+        served.append(resp.headers["x-switchyard-worker"])
+        cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        time.sleep(0.1)
+    assert len(set(served)) == 1 and all(c > 1000 for c in cached[1:])
+    text = httpx.get(router + "/metrics").text
+    assert metric(text, "switchyard_router_kv_estimating") == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = httpx.get(router + "/metrics").text
+        if len(values(text, "switchyard_router_kv_parity")) == len(engines):
+            break
+        time.sleep(0.2)
+    assert values(text, "switchyard_router_kv_parity") == [1.0] * len(engines)
+    admin = httpx.get(router + "/admin/workers", headers={"authorization": "Bearer adm"})
+    assert {w["kv_parity"]["reason"] for w in admin.json()["workers"]} == {"verified"}
+
+
+def test_approximate_mode_without_events_keeps_affinity_and_says_so(
+    quiet_engines: list[Server], start_router: StartRouter
+) -> None:
+    router = start_router(
+        *(s.url for s in quiet_engines),
         args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR)),
     ).url
     served = []
@@ -99,7 +142,7 @@ def test_approximate_mode_without_events_keeps_affinity_and_says_so(
         served.append(resp.headers["x-switchyard-worker"])
     assert len(set(served)) == 1
     text = httpx.get(router + "/metrics").text
-    assert metric(text, "switchyard_router_kv_estimating") == len(engines)
+    assert metric(text, "switchyard_router_kv_estimating") == len(quiet_engines)
     other = httpx.post(
         router + "/v1/chat/completions", json=chat(0, system="Different. " * 400), timeout=30
     )
