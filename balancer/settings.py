@@ -29,9 +29,13 @@ class BalancerSettings(ServiceSettings):
     # The admin API is off without admin_api_key; the data API (picks, tickets, workers)
     # is open without api_key and then also takes the admin key.
     admin_api_key: str | None = Field(
-        default=None, validation_alias=AliasChoices("admin_api_key", "admin_key")
+        default=None,
+        validation_alias=AliasChoices("admin_api_key", "admin_key"),
+        description="Bearer key for /admin (the admin API is off without it)",
     )
-    api_key: str | None = None
+    api_key: str | None = Field(
+        default=None, description="Bearer key for picks, tickets and /v1/workers"
+    )
 
     # Registry sources
     workers: list[str] = Field(

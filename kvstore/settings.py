@@ -75,8 +75,11 @@ class KVStoreSettings(ServiceSettings):
     # Keys (one, or several separated by commas), sent as "Authorization: Bearer KEY".
     # admin_api_key guards events, subscriptions, placements and instance deletes (off
     # without it); api_key guards lookups (open without it; the admin key works too).
-    api_key: str | None = None
-    admin_api_key: str | None = None
+    api_key: str | None = Field(default=None, description="Bearer key for /v1/lookup")
+    admin_api_key: str | None = Field(
+        default=None,
+        description="Bearer key for events, placements, subscriptions, instances (off without)",
+    )
     redis_url: str | None = Field(
         default=None,
         validation_alias=AliasChoices("redis_url", "redis"),
