@@ -346,6 +346,16 @@ class KVStore:
     def feeds(self) -> list[FeedInfo]:
         return [f.info() for f in self._all_feeds()]
 
+    def expects_events(self, instance: str) -> bool:
+        """Whether events of ``instance`` are followed: subscribed, mapped to a topic of the
+        ``--kv-listen`` socket, or already arriving."""
+        follower = self.follower
+        if follower is not None and instance in follower.endpoints:
+            return True
+        if any(src.instance == instance for src in self.topics.by_topic.values()):
+            return True
+        return any(f.instance == instance for f in self._all_feeds())
+
     def feeds_of(self, instance: str) -> list[Feed]:
         """The event feeds of one instance (one per DP rank publisher)."""
         return [f for f in self._all_feeds() if f.instance == instance]

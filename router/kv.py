@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.remote import RemoteKVStore
@@ -92,8 +92,9 @@ class PrefixSource(Protocol):
 class EmbeddedPrefixes:
     """The KV store in the router's own process: follows the fleet, probes prompt heads."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
+        self.clock = clock  # when the occupancy snapshot is stale (a simulator's own clock)
         self._occupancy: dict[str, int] = {}
         self._occupancy_at = -1.0
 
@@ -107,12 +108,7 @@ class EmbeddedPrefixes:
         self.store.follow_fleet(fleet)
 
     def has_events(self, worker: Worker) -> bool:
-        if worker.spec.kv_events:
-            return True
-        follower = self.store.follower
-        return bool(follower and worker.id in follower.endpoints) or bool(
-            self.store.topic_instances() & {worker.id}
-        )
+        return bool(worker.spec.kv_events) or self.store.expects_events(worker.id)
 
     async def lookup(
         self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
@@ -170,7 +166,7 @@ class EmbeddedPrefixes:
 
     async def occupancy(self) -> dict[str, int]:
         """From a snapshot at most ``OCCUPANCY_TTL_S`` old."""
-        now = time.monotonic()
+        now = self.clock()
         if now - self._occupancy_at > OCCUPANCY_TTL_S:
             self._occupancy_at = now
             counts: dict[str, int] = {}
@@ -248,10 +244,12 @@ class RemotePrefixes:
         return None
 
 
-def prefix_source(store: KVStore | RemoteKVStore) -> PrefixSource:
+def prefix_source(
+    store: KVStore | RemoteKVStore, clock: Callable[[], float] = time.monotonic
+) -> PrefixSource:
     if isinstance(store, RemoteKVStore):
         return RemotePrefixes(store)
-    return EmbeddedPrefixes(store)
+    return EmbeddedPrefixes(store, clock)
 
 
 class KVAwareness:
@@ -264,8 +262,9 @@ class KVAwareness:
         speculative_ttl_s: float,
         event_lag_ttl_s: float = 2.0,
         parity_interval_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.source = prefix_source(store)
+        self.source = prefix_source(store, clock)
         self.fleet = fleet
         self.speculative_ttl_s = speculative_ttl_s
         self.event_lag_ttl_s = event_lag_ttl_s

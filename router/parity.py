@@ -90,6 +90,12 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
     )
 
 
+def _middle(content: list[int]) -> list[int]:
+    """A run of the canary's content tokens away from its edges (where merges differ)."""
+    start = len(content) // 4
+    return content[start : start + 12]
+
+
 def likely_cause(router: list[int], engine: list[int], content: list[int]) -> str:
     """Why the engine's tokens differ from the router's.
 
@@ -100,20 +106,22 @@ def likely_cause(router: list[int], engine: list[int], content: list[int]) -> st
     n = min(len(router), len(engine)) - 1
     if n > 0 and (router[1 : n + 1] == engine[:n] or engine[1 : n + 1] == router[:n]):
         return "BOS"
-    middle = content[len(content) // 4 : len(content) // 4 + 12]
+    middle = _middle(content)
     if middle and _contains(engine, middle) and _contains(router, middle):
         return "chat template"
     return "tokenizer"
 
 
-def event_chain(events: Iterable[StoredTokens]) -> list[int]:
-    """The longest run of published tokens that chains from a root block (parent None)."""
+def event_chain(events: Iterable[StoredTokens], canary: list[int] | None = None) -> list[int]:
+    """The published tokens that chain from a root block (parent None): of several chains,
+    the one holding the canary's ``canary`` tokens, else the longest."""
     evs = list(events)
     by_parent: dict[Any, StoredTokens] = {}
     for ev in evs:
         if ev.parent_block_hash is not None:
             by_parent.setdefault(ev.parent_block_hash, ev)
     best: list[int] = []
+    best_rank = (False, 0)
     for ev in evs:
         if ev.parent_block_hash is not None:
             continue
@@ -123,8 +131,9 @@ def event_chain(events: Iterable[StoredTokens]) -> list[int]:
             cur = by_parent.get(cur.block_hashes[-1])
             if cur is not None:
                 tokens.extend(cur.token_ids)
-        if len(tokens) > len(best):
-            best = tokens
+        rank = (bool(canary) and _contains(tokens, canary or []), len(tokens))
+        if rank > best_rank:
+            best, best_rank = tokens, rank
     return best
 
 
@@ -159,8 +168,8 @@ class ParityChecker:
             messages = canary_messages(nonce, words)
             tokens = await tok.aencode_chat(messages)
         content = tok.encode_prompt(str(messages[0]["content"]))
-        feeds = self.store.feeds_of(worker)
-        marks = {id(f): f.ingestor.stored_serial for f in feeds}
+        expects_events = self.store.expects_events(worker)
+        marks = {id(f): f.ingestor.stored_serial for f in self.store.feeds_of(worker)}
         result = ParityResult(worker, None, "", router_tokens=len(tokens))
         try:
             first = await self._chat(session, worker, model, messages)
@@ -169,13 +178,13 @@ class ParityChecker:
             return result
         result.engine_prompt_tokens = first[0]
         published: list[int] | None = None
-        if feeds:
-            published = await self._published(feeds, marks, len(tokens))
+        if expects_events:
+            published = await self._published(worker, marks, len(tokens), _middle(content))
             result.event_tokens = len(published)
         size = self.store.block_size_of(worker)
         result.block_size = size
         full = len(tokens) // size * size
-        if feeds:
+        if expects_events:
             keys = self.store.keys_for(tokens, block_size=size)
             matches, _ = await self.store.lookup_keys(keys, [worker], size)
             result.predicted_cached_tokens = max(
@@ -263,18 +272,23 @@ class ParityChecker:
         cached = details.get("cached_tokens")
         return int(usage.get("prompt_tokens", 0)), None if cached is None else int(cached)
 
-    async def _published(self, feeds: list[Any], marks: dict[int, int], want: int) -> list[int]:
-        """Tokens the engine published for the canary, waiting up to ``events_wait_s``."""
+    async def _published(
+        self, worker: str, marks: dict[int, int], want: int, canary: list[int]
+    ) -> list[int]:
+        """Tokens the engine published for the canary, waiting up to ``events_wait_s``.
+
+        Feeds of engines that connect appear with their first frame, so they are looked
+        up anew each time; a feed not seen before the canary counts from its start.
+        """
         deadline = time.monotonic() + self.events_wait_s
-        best: list[int] = []
         while True:
+            feeds = self.store.feeds_of(worker)
             fresh = [
                 ev for f in feeds for ev in f.ingestor.recent if ev.serial > marks.get(id(f), 0)
             ]
-            best = event_chain(fresh)
-            if len(best) + max(f.ingestor.block_size or 1 for f in feeds) > want:
-                return best
-            if time.monotonic() > deadline:
+            best = event_chain(fresh, canary)
+            size = max((f.ingestor.block_size or 1 for f in feeds), default=1)
+            if (best and len(best) + size > want) or time.monotonic() > deadline:
                 return best
             await asyncio.sleep(0.05)
 
