@@ -94,7 +94,9 @@ def start_router(
     port = free_port()
     config = tmp_path / f"router-{port}.yaml"
     section = {"block_size": BLOCK_SIZE, "admin_api_key": ADMIN_API_KEY}
-    config.write_text(yaml.safe_dump({"router": section}))
+    # A busy vLLM API server can take over a second to render /metrics on two cores.
+    balancer = {"scrape_timeout_s": 5.0}
+    config.write_text(yaml.safe_dump({"router": section, "balancer": balancer}))
     argv = ["router", "--port", str(port), "--policy", policy, "--config", str(config)]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", *extra]
     for e in engines:

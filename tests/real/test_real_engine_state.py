@@ -13,7 +13,7 @@ from tests.support import Server
 LONG = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Tell a very long story about a lighthouse."}],
-    "max_tokens": 1500,
+    "max_tokens": 1900,
     "ignore_eos": True,
     "stream": True,
 }
@@ -48,14 +48,14 @@ def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
 
 
 def test_an_abandoned_stream_is_aborted_in_the_engine(router: Server) -> None:
+    # vLLM does not count client aborts in request_success_total{finished_reason="abort"};
+    # an aborted request is one that stops running without finishing by its length.
     with httpx.stream("POST", router.url + "/v1/chat/completions", json=LONG, timeout=120) as r:
         worker = r.headers["x-switchyard-worker"]
-        aborted = engine_metric(worker, "vllm:request_success_total", finished_reason="abort")
+        finished = engine_metric(worker, "vllm:request_success_total")
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
         assert engine_metric(worker, "vllm:num_requests_running") == 1
     until(lambda: engine_metric(worker, "vllm:num_requests_running") == 0)
-    assert (
-        engine_metric(worker, "vllm:request_success_total", finished_reason="abort") == aborted + 1
-    )
+    assert engine_metric(worker, "vllm:request_success_total") == finished
