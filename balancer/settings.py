@@ -55,7 +55,7 @@ class BalancerSettings(ServiceSettings):
     kubernetes_selector: str = Field(
         default="app.kubernetes.io/part-of=switchyard", description="pod label selector"
     )
-    kubernetes_port: int = 8000
+    kubernetes_port: int = Field(default=8000, description="engine port on discovered pods")
     kubernetes_watch_timeout_s: int = Field(
         default=30,
         validation_alias=AliasChoices("kubernetes_watch_timeout_s", "kubernetes_watch_timeout"),
@@ -73,9 +73,9 @@ class BalancerSettings(ServiceSettings):
         validation_alias=AliasChoices("probe_timeout_s", "probe_timeout"),
         description="one health probe",
     )
-    probe_path: str = "/health"
-    unhealthy_threshold: int = 1
-    healthy_threshold: int = 2
+    probe_path: str = Field(default="/health", description="health probe path")
+    unhealthy_threshold: int = Field(default=1, description="failed probes before a worker leaves")
+    healthy_threshold: int = Field(default=2, description="good probes before it returns")
     model_refresh_interval_s: float = Field(
         default=30.0,
         validation_alias=AliasChoices("model_refresh_interval_s", "model_refresh_interval"),
@@ -83,25 +83,31 @@ class BalancerSettings(ServiceSettings):
     )
 
     # Circuit breaker (passive)
-    cb_failure_threshold: int = 3
+    cb_failure_threshold: int = Field(
+        default=3, description="consecutive failures that open the circuit"
+    )
     cb_open_timeout_s: float = Field(
         default=5.0,
         validation_alias=AliasChoices("cb_open_timeout_s", "cb_open_timeout"),
         description="open circuit before half-open trials",
     )
-    cb_half_open_trials: int = 1
-    cb_success_threshold: int = 1
+    cb_half_open_trials: int = Field(default=1, description="requests admitted while half-open")
+    cb_success_threshold: int = Field(default=1, description="successes that close the circuit")
 
     # Outlier ejection by error rate
-    outlier_window: int = 50
-    outlier_min_requests: int = 20
-    outlier_error_rate: float = 0.5
+    outlier_window: int = Field(
+        default=50, description="recent requests the error rate is taken over"
+    )
+    outlier_min_requests: int = Field(default=20, description="requests needed before ejecting")
+    outlier_error_rate: float = Field(default=0.5, description="error rate that ejects a worker")
     outlier_ejection_s: float = Field(
         default=30.0,
         validation_alias=AliasChoices("outlier_ejection_s", "outlier_ejection_time"),
         description="how long an outlier stays ejected",
     )
-    outlier_max_ejected_fraction: float = 0.5
+    outlier_max_ejected_fraction: float = Field(
+        default=0.5, description="never eject more of the fleet than this"
+    )
 
     # Slow start for new or recovered workers
     slow_start_s: float = Field(
@@ -109,7 +115,9 @@ class BalancerSettings(ServiceSettings):
         validation_alias=AliasChoices("slow_start_s", "slow_start_seconds"),
         description="weight ramp of new or recovered workers",
     )
-    slow_start_min_weight: float = 0.1
+    slow_start_min_weight: float = Field(
+        default=0.1, description="weight a slow-starting worker begins at"
+    )
 
     # Engine metrics scrape
     scrape_interval_s: float = Field(
@@ -127,7 +135,9 @@ class BalancerSettings(ServiceSettings):
         validation_alias=AliasChoices("scrape_staleness_s", "scrape_staleness"),
         description="scraped load older than this is ignored",
     )
-    kv_usage_weight: float = 4.0
+    kv_usage_weight: float = Field(
+        default=4.0, description="weight of engine KV usage in the load score"
+    )
 
     # DP rank choice and its step-time model, in µs: per running sequence, per context
     # token attended, per prefill token within the step's token budget. Defaults are the
@@ -148,7 +158,9 @@ class BalancerSettings(ServiceSettings):
         validation_alias=AliasChoices("step_prefill_token_cost_us", "step_prefill_token_cost"),
         description="step time per prefill token",
     )
-    step_token_budget: int = 8192
+    step_token_budget: int = Field(
+        default=8192, description="per-step prefill token budget of the step model"
+    )
 
     # Redis sharing across router replicas
     redis_url: str | None = Field(
@@ -156,7 +168,7 @@ class BalancerSettings(ServiceSettings):
         validation_alias=AliasChoices("redis_url", "redis"),
         description="Redis URL: share in-flight counts and admin changes",
     )
-    redis_prefix: str = "switchyard:balancer"
+    redis_prefix: str = Field(default="switchyard:balancer", description="key prefix in Redis")
     lease_s: float = Field(
         default=3.0,
         validation_alias=AliasChoices("lease_s", "lease_seconds"),

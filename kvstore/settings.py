@@ -70,8 +70,8 @@ class KVStoreSettings(ServiceSettings):
     section = "kvstore"
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_KVSTORE_", extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = 8300
+    host: str = Field(default="127.0.0.1", description="bind address")
+    port: int = Field(default=8300, description="HTTP port")
     # Keys (one, or several separated by commas), sent as "Authorization: Bearer KEY".
     # admin_api_key guards events, subscriptions, placements and instance deletes (off
     # without it); api_key guards lookups (open without it; the admin key works too).
@@ -85,24 +85,31 @@ class KVStoreSettings(ServiceSettings):
         validation_alias=AliasChoices("redis_url", "redis"),
         description="redis://HOST:PORT/DB; the memory index when unset",
     )
-    redis_prefix: str = "switchyard:kv:"
-    redis_idle_ttl_s: float = 3600.0
-    subscribe: list[str] = []
-    # Worker base URLs whose /kv_event_sources (vLLM) name their publishers.
-    workers: list[str] = []
-    # tcp://HOST:PORT to bind for engines that connect their events (llm-d's layout).
-    kv_listen: str | None = None
-    tokenizer: str | None = None  # HF dir; else engine /tokenize; else approximate
-    tokenize_url: str | None = None
+    redis_prefix: str = Field(default="switchyard:kv:", description="key prefix in Redis")
+    redis_idle_ttl_s: float = Field(default=3600.0, description="Redis entries idle this long go")
+    subscribe: list[str] = Field(
+        default=[],
+        description="[INSTANCE=]tcp://HOST:PORT[,replay=ENDPOINT][,flavor=sglang][,rank=N]",
+    )
+    workers: list[str] = Field(
+        default=[], description="worker URL whose /kv_event_sources (vLLM) names its publishers"
+    )
+    kv_listen: str | None = Field(
+        default=None, description="tcp://HOST:PORT to bind for engines that connect their events"
+    )
+    tokenizer: str | None = Field(
+        default=None, description="HF tokenizer dir; else tokenize_url; else approximate"
+    )
+    tokenize_url: str | None = Field(default=None, description="engine base URL for /tokenize")
     # Tokens per KV block until an engine's events tell its own (the one default).
-    block_size: int = Field(default=16, gt=0)
-    seed: int = 0
+    block_size: int = Field(default=16, gt=0, description="KV block size until events tell")
+    seed: int = Field(default=0, description="block-key hash seed")
     capacity_blocks: int = Field(
         default=CAPACITY_BLOCKS, gt=0, description="memory index bound (LRU), blocks"
     )
-    speculative_ttl_s: float = 30.0
-    lookup_timeout_ms: float = 20.0
-    log_level: str = "warning"
+    speculative_ttl_s: float = Field(default=30.0, description="TTL of placement entries")
+    lookup_timeout_ms: float = Field(default=20.0, description="lookups degrade after this")
+    log_level: str = Field(default="warning", description="uvicorn log level")
 
     @field_validator("subscribe")
     @classmethod
