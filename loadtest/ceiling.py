@@ -18,6 +18,7 @@ is stored several times, and requests in flight hold blocks and race each other.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def prefix_hashes(tokens: list[int], block_size: int) -> list[int]:
 
 
 def hit_tokens(
-    prompts: list[list[int]], outputs: list[int], block_size: int, capacity: int | None
+    prompts: Iterable[list[int]], outputs: list[int], block_size: int, capacity: int | None
 ) -> tuple[int, int]:
     """(cached, prompt) tokens over a sequence of prompts replayed through one LRU cache."""
     cache: OrderedDict[int, None] = OrderedDict()
@@ -88,14 +89,30 @@ def ceiling(
     block_size: int = EngineConfig.block_size,
     tokenizer_dir: str = DEFAULT_TOKENIZER,
 ) -> Ceiling:
+    prompts = workload_prompts(workload, tokenizer_dir)
+    outputs = [r.max_tokens for r in workload.requests]
+    capacity = engines * num_gpu_blocks if num_gpu_blocks else None
+    return ceiling_of(lambda: iter(prompts), outputs, block_size, capacity)
+
+
+def workload_prompts(workload: Workload, tokenizer_dir: str = DEFAULT_TOKENIZER) -> list[list[int]]:
+    """Each request's prompt token ids as a mock engine tokenizes it (its chat template)."""
     tok = ModelTokenizer(tokenizer_dir)
     raw = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
     texts = [tok.render_chat(r.messages) for r in workload.requests]
-    prompts = [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)]
-    outputs = [r.max_tokens for r in workload.requests]
-    hit_inf, total = hit_tokens(prompts, outputs, block_size, None)
-    capacity = engines * num_gpu_blocks if num_gpu_blocks else None
-    hit_cap = hit_tokens(prompts, outputs, block_size, capacity)[0] if capacity else hit_inf
+    return [e.ids for e in raw.encode_batch(texts, add_special_tokens=False)]
+
+
+def ceiling_of(
+    prompts: Callable[[], Iterable[list[int]]],
+    outputs: list[int],
+    block_size: int,
+    capacity: int | None,
+) -> Ceiling:
+    """The ceiling of tokenized prompts; ``prompts`` is called once per pass, so a large
+    workload can build them one at a time."""
+    hit_inf, total = hit_tokens(prompts(), outputs, block_size, None)
+    hit_cap = hit_tokens(prompts(), outputs, block_size, capacity)[0] if capacity else hit_inf
     return Ceiling(
         prompt_tokens=total,
         infinite_hit_rate=hit_inf / total if total else 0.0,

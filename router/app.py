@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -72,7 +72,9 @@ class RouterApp:
         fleet: FleetView,
         scheduler: Scheduler,
         kvstore: KVStore | RemoteKVStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` dates the router's snapshots (a simulator passes its virtual clock)."""
         self.settings = settings
         self.fleet = fleet
         self.scheduler = scheduler
@@ -85,6 +87,7 @@ class RouterApp:
                 speculative_ttl_s=settings.speculative_ttl_s,
                 event_lag_ttl_s=settings.event_lag_ttl_s,
                 parity_interval_s=settings.parity_interval_s,
+                clock=clock,
             )
             if kvstore is not None
             else None
@@ -216,7 +219,7 @@ class RouterApp:
             if self.pd is not None and self.pd.applies(req):
                 dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
             else:
-                ctx, ranked = await self._schedule(req, request_id, priority, slo_header)
+                ctx, ranked = await self.schedule(req, request_id, priority, slo_header)
                 dispatch = self.forwarder.forward(
                     req, ctx, ranked, forward_headers, request_id, response, started
                 )
@@ -249,10 +252,13 @@ class RouterApp:
         m.child(m.requests, route, str(status), worker_id).inc()
         m.child(m.latency, route).observe(time.perf_counter() - started)
 
-    async def _schedule(
+    async def schedule(
         self, req: RoutedRequest, request_id: bytes, priority: str, slo_header: str | None
     ) -> tuple[Context, list[Worker]]:
-        """Candidates, prefix matches, the policy's order, then SLO admission."""
+        """Candidates, prefix matches, the policy's order, then SLO admission.
+
+        No I/O of its own: ``switchyard simulate`` runs this same decision on a virtual clock.
+        """
         began = time.perf_counter()
         candidates = self.fleet.candidates(req.model)
         if not candidates:

@@ -35,6 +35,11 @@ WORKER_HEADER = b"x-switchyard-worker"
 _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
 
 
+def queued_prefill(ctx: Context, worker: Worker) -> int | None:
+    """Prompt tokens ``worker`` must compute (its uncached part); None without a lookup."""
+    return ctx.uncached(worker.id) if ctx.prefix is not None else None
+
+
 class _Retry(Exception):
     """An attempt failed before any byte reached the client; ``error`` is what the client
     gets if no later attempt answers (None: keep the previous one)."""
@@ -73,6 +78,16 @@ class Forwarder:
         if worker.dp_size > 1 and ctx.matched.get(worker.id, 0.0) > 0:
             return ctx.matched_rank[worker.id]
         return self.fleet.choose_rank(worker, prompt_tokens=ctx.prompt_tokens)
+
+    async def place(self, ctx: Context, worker: Worker) -> int | None:
+        """Commit the request to ``worker``: its DP rank, recorded as a KV placement.
+
+        The simulator (``loadtest.simulate``) commits its decisions through here as well.
+        """
+        rank = self.rank_for(ctx, worker)
+        if self.kv is not None:
+            await self.kv.placed(ctx, worker, rank)
+        return rank
 
     async def forward(
         self,
@@ -116,12 +131,10 @@ class Forwarder:
     ) -> tuple[int, str]:
         """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
         failed before the client saw a byte and another worker may try."""
-        rank = self.rank_for(ctx, worker)
         work_tokens = (
             self.ttft_model.work_tokens(ctx, worker) if self.ttft_model is not None else 0.0
         )
-        if self.kv is not None:
-            await self.kv.placed(ctx, worker, rank)
+        rank = await self.place(ctx, worker)
         call = Call(
             self.fleet,
             worker,
@@ -129,7 +142,7 @@ class Forwarder:
             req.route,
             headers,
             prompt_tokens=ctx.prompt_tokens,
-            prefill_tokens=ctx.uncached(worker.id) if ctx.prefix is not None else None,
+            prefill_tokens=queued_prefill(ctx, worker),
         )
         try:
             with call:

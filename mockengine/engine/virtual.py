@@ -26,6 +26,9 @@ Router = Callable[["VirtualFleet", float, EngineRequest], int]
 # Called at a request's finish time (``fleet.now``); may submit follow-ups (a P/D decode
 # leg, the next turn of a conversation) and release P/D holds.
 OnFinish = Callable[["VirtualFleet", "RequestResult"], None]
+# Called at a request's first-token time: a router's accounting moves it from queued
+# prefill to decode then.
+OnFirstToken = Callable[["VirtualFleet", "RequestResult"], None]
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class VirtualFleet:
         event_sinks: Sequence[Callable[[KVEventBatch], None] | None] | None = None,
         record_token_times: bool = True,
         on_finish: OnFinish | None = None,
+        on_first_token: OnFirstToken | None = None,
     ) -> None:
         sinks = list(event_sinks) if event_sinks is not None else [None] * len(configs)
         self.engines = [_Engine(EngineCore(c, 0, s)) for c, s in zip(configs, sinks, strict=True)]
@@ -77,6 +81,7 @@ class VirtualFleet:
         self.cores = [e.core for e in self.engines]
         self.router = router
         self.on_finish = on_finish
+        self.on_first_token = on_first_token
         self.record_token_times = record_token_times
         self.now = 0.0
         self.results: dict[str, RequestResult] = {}
@@ -173,6 +178,7 @@ class VirtualFleet:
     def _step_done(self, t: float, payload: tuple[int, list]) -> None:
         index, progressed = payload
         record = self.record_token_times
+        first = self.on_first_token
         done: list[RequestResult] = []
         for seq in progressed:
             res: RequestResult = seq.sink
@@ -181,6 +187,8 @@ class VirtualFleet:
             if res.first_token_time is None:
                 res.first_token_time = t
                 res.num_cached_tokens = seq.num_cached_tokens
+                if first is not None:
+                    first(self, res)
             if record:
                 res.token_times.append(t)
             res.output_tokens = seq.num_generated
