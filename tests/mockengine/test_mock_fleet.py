@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from typing import Any
@@ -13,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import REPO, free_port, wait_http
+from loadtest.procs import free_port_block
+from tests.support import REPO, wait_http
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,21 +38,8 @@ def stop(proc: subprocess.Popen[str]) -> int:
     return proc.wait(timeout=10)
 
 
-def base_port(span: int) -> int:
-    """A free port whose next ``span`` ports were free a moment ago."""
-    while True:
-        start = free_port()
-        try:
-            for p in range(start, start + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return start
-        except OSError:
-            continue
-
-
 def test_one_process_fleet_describes_and_serves_every_engine() -> None:
-    start = base_port(6)
+    start = free_port_block(6)
     proc, desc = run_fleet(
         "--count",
         "3",
@@ -86,7 +73,7 @@ def test_one_process_fleet_describes_and_serves_every_engine() -> None:
 
 
 def test_multi_process_fleet_spreads_engines_over_processes() -> None:
-    start = base_port(4)
+    start = free_port_block(4)
     proc, desc = run_fleet(
         "--count",
         "4",
