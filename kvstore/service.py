@@ -50,6 +50,12 @@ class LookupResponse(BaseModel):
     degraded: bool = False
     exact: bool = True
     keys: list[int] | None = None
+    sized_keys: dict[int, list[int]] | None = Field(
+        None, description="With include_keys, the keys at each other block size in use."
+    )
+    instance_block_sizes: dict[str, int] | None = Field(
+        None, description="Candidates whose block size (learned from events) differs."
+    )
 
 
 class EventsPush(BaseModel):
@@ -154,6 +160,8 @@ def create_app(store: KVStore, settings: KVStoreSettings | None = None) -> FastA
             degraded=res.degraded,
             exact=res.exact,
             keys=res.keys if req.include_keys else None,
+            sized_keys=res.sized_keys if req.include_keys and res.sized_keys else None,
+            instance_block_sizes=res.instance_block_sizes or None,
         )
 
     @app.post("/v1/events", status_code=204, dependencies=admin)

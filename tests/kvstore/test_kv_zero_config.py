@@ -308,3 +308,19 @@ def test_a_bad_kvstore_flag_value_is_one_line_and_exit_2(
     assert run(["kvstore", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("switchyard kvstore:")
+
+
+async def test_the_service_lookup_carries_each_candidates_keys_in_its_block_size() -> None:
+    from fastapi.testclient import TestClient
+
+    from kvstore.service import create_app
+
+    store = KVStore(block_size=16)
+    tokens = list(range(128))
+    await store.ingest(B, stored(tokens[:64], 32))
+    with TestClient(create_app(store)) as client:
+        body = {"token_ids": tokens, "candidates": [A, B], "include_keys": True}
+        answer = client.post("/v1/lookup", json=body).json()
+    assert answer["block_size"] == 16 and answer["instance_block_sizes"] == {B: 32}
+    assert len(answer["keys"]) == 8 and len(answer["sized_keys"]["32"]) == 4
+    assert {m["instance"]: m["matched_tokens"] for m in answer["matches"]} == {B: 64}
