@@ -1,0 +1,67 @@
+"""The one process launcher: healthy means the health URL answers 2xx, a dead child fails fast."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loadtest.procs import ProcessExited, Server, free_port, free_port_block, wait_http
+
+HEALTH_SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def python_server(port: int) -> Server:
+    """Any process, not only ``switchyard``: a tiny HTTP server with ``/health``."""
+    return Server([], port, argv=[sys.executable, "-c", HEALTH_SERVER, str(port)])
+
+
+def test_a_server_is_up_once_its_health_path_answers() -> None:
+    port = free_port()
+    with python_server(port) as srv:
+        assert srv.proc is not None and srv.proc.poll() is None
+    assert srv.proc.poll() is not None
+
+
+def test_a_missing_ready_path_falls_back_to_the_fallback_url() -> None:
+    port = free_port()
+    with python_server(port):
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/ready", 5.0, fallback_url=url + "/health")
+
+
+def test_a_child_that_dies_before_it_is_healthy_fails_at_once() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    started = time.monotonic()
+    with pytest.raises(ProcessExited, match="exited with 3"):
+        wait_http(f"http://127.0.0.1:{free_port()}/health", 20.0, proc)
+    assert time.monotonic() - started < 10
+
+
+def test_a_failed_start_reports_the_childs_stderr() -> None:
+    port = free_port()
+    argv = [sys.executable, "-c", "import sys; sys.exit('no such model')"]
+    with pytest.raises(RuntimeError, match="no such model"):
+        Server([], port, argv=argv).start(5.0)
+
+
+def test_a_port_block_is_free_end_to_end() -> None:
+    base = free_port_block(4)
+    for port in range(base, base + 4):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -1,0 +1,40 @@
+"""Prometheus text is read with prometheus_client's parser: names, labels and sums."""
+
+from __future__ import annotations
+
+from loadtest.prom import labels_of, totals, values
+
+TEXT = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 3.0
+# TYPE vllm:request_success counter
+vllm:request_success_total{engine="0",finished_reason="stop"} 4.0
+vllm:request_success_total{engine="0",finished_reason="abort"} 1.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",num_gpu_blocks="29000"} 1.0
+# TYPE odd gauge
+odd{path="a \\"quoted\\" value"} 7.0
+"""
+
+
+def test_totals_sum_each_sample_name_over_its_label_sets() -> None:
+    got = totals(TEXT)
+    assert got["vllm:num_requests_running"] == 5.0
+    assert got["vllm:request_success_total"] == 5.0
+
+
+def test_values_keep_only_samples_whose_labels_match() -> None:
+    assert values(TEXT, "vllm:num_requests_running", engine="1") == [3.0]
+    assert values(TEXT, "vllm:request_success_total", finished_reason="abort") == [1.0]
+    assert values(TEXT, "vllm:num_requests_running", engine="9") == []
+
+
+def test_label_values_are_unescaped() -> None:
+    assert values(TEXT, "odd", path='a "quoted" value') == [7.0]
+
+
+def test_labels_of_an_info_gauge_are_its_payload() -> None:
+    assert labels_of(TEXT, "vllm:cache_config_info") == [
+        {"block_size": "16", "num_gpu_blocks": "29000"}
+    ]
