@@ -17,6 +17,7 @@ import typer
 from balancer.cli import command as balancer_command
 from kvstore.cli import command as kvstore_command
 from loadtest.cli import register as register_loadtest
+from loadtest.simcli import register as register_simulate
 from mockengine.cli import command as mock_command
 from mockengine.cli import register as register_mock_fleet
 from router.cli import command as router_command
@@ -35,6 +36,7 @@ def cli() -> click.Group:
     tools = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
     register_mock_fleet(tools)
     register_loadtest(tools)
+    register_simulate(tools)
     for name, help_text in TOOLS.items():
         group.add_command(_typer_tool(tools, name, help_text))
     return group
@@ -45,6 +47,7 @@ TOOLS = {
     "mock-fleet": "Run many mock engines (one process or K), print a JSON description.",
     "bench": "Load tests against mock fleets.",
     "demo": "A local stack (router + mock engines) and a short routing comparison.",
+    "simulate": "The router's own policies over thousands of simulated engines, no HTTP.",
 }
 
 
