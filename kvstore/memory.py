@@ -233,9 +233,9 @@ class MemoryIndex:
                 continue
             while mask:
                 low = mask & -mask
-                loc = self._loc[low.bit_length() - 1]
-                if loc is not None:
-                    out.append(Match(loc.instance, loc.dp_rank, loc.tier, n * bs))
+                held = self._loc[low.bit_length() - 1]
+                if held is not None:
+                    out.append(Match(held.instance, held.dp_rank, held.tier, n * bs))
                 mask ^= low
         return rank_matches(out)
 

@@ -150,6 +150,10 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class RedisIndex:
     kind: BackendKind = "redis"
 
@@ -193,7 +197,9 @@ class RedisIndex:
             out.append(Match(loc.instance, loc.dp_rank, loc.tier, int(flat[i + 1]) * bs))
         return rank_matches(out)
 
-    def _add_args(self, keys: list[int], location: Location, ttl_s: float | None) -> list:
+    def _add_args(
+        self, keys: list[int], location: Location, ttl_s: float | None
+    ) -> list[bytes | str | int]:
         now = _now_ms()
         if ttl_s is None:
             expiry, ttl = 0, self.idle_ttl_ms
@@ -211,7 +217,7 @@ class RedisIndex:
             await self._remove(args=[self.prefix, _field(location), _blob(keys)])
 
     async def _fields_of(self, instance: str, dp_rank: int | None) -> list[str]:
-        fields = [f.decode() for f in await self._r.smembers(self.prefix + "locs")]
+        fields = [_text(f) for f in await self._r.smembers(self.prefix + "locs")]
         return [
             f
             for f in fields
@@ -233,7 +239,7 @@ class RedisIndex:
                 await self._add(args=self._add_args(op.keys, op.location, None), client=pipe)
                 pending += 1
             elif isinstance(op, Remove) and op.keys:
-                args = [self.prefix, _field(op.location), _blob(op.keys)]
+                args: list[bytes | str] = [self.prefix, _field(op.location), _blob(op.keys)]
                 await self._remove(args=args, client=pipe)
                 pending += 1
             elif isinstance(op, Clear):
@@ -245,7 +251,7 @@ class RedisIndex:
             await pipe.execute()
 
     async def locations(self) -> list[LocationInfo]:
-        fields = [f.decode() for f in await self._r.smembers(self.prefix + "locs")]
+        fields = [_text(f) for f in await self._r.smembers(self.prefix + "locs")]
         if not fields:
             return []
         now = _now_ms()
