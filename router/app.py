@@ -86,7 +86,7 @@ class RouterApp:
                 self.metrics,
                 speculative_ttl_s=settings.speculative_ttl_s,
                 event_lag_ttl_s=settings.event_lag_ttl_s,
-                parity_interval_s=settings.parity_interval_s,
+                parity_interval_s=settings.parity_interval_s if settings.kv_parity else None,
                 clock=clock,
             )
             if kvstore is not None

@@ -345,9 +345,19 @@ class ParityMonitor:
             while True:
                 now = time.monotonic()
                 for worker in list(self.fleet.workers()):
-                    if worker.healthy and worker.models and self._next.get(worker.id, 0) <= now:
+                    if self._due(worker, now):
                         await self.check(session, worker)
                 await asyncio.sleep(1.0)
+
+    def _due(self, worker: Any, now: float) -> bool:
+        """Unified workers that are up and serve a model; P/D pools are not sent canaries
+        (a plain request is not what their KV connector expects)."""
+        return (
+            str(worker.role) == "unified"
+            and worker.healthy
+            and bool(worker.models)
+            and self._next.get(worker.id, 0.0) <= now
+        )
 
     async def check(self, session: aiohttp.ClientSession, worker: Any) -> ParityResult:
         model = sorted(worker.models)[0]

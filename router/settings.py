@@ -86,6 +86,11 @@ class RouterSettings(ServiceSettings):
         default=None,
         description="tcp://HOST:PORT to bind for engines that connect their KV events",
     )
+    kv_parity: bool = Field(
+        default=True,
+        description="hash-parity self-check: a canary chat per worker at start-up and every "
+        "parity_interval_s (needs --tokenizer)",
+    )
     parity_interval_s: float = Field(
         default=300.0,
         ge=0,

@@ -149,3 +149,33 @@ def test_likely_cause_tells_bos_template_and_tokenizer_apart() -> None:
     assert likely_cause(router, [1, *router], router[2:]) == "BOS"
     assert likely_cause(router, [40, 41, *router[2:]], router[2:]) == "chat template"
     assert likely_cause(router, [60, 61, 62, 63, 64], router[2:]) == "tokenizer"
+
+
+class FakeWorker:
+    def __init__(self, url: str) -> None:
+        self.id = url
+        self.kv_parity: dict | None = None
+
+
+def test_the_monitor_reports_a_verdict_to_the_gauge_the_worker_and_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from router.parity import ParityMonitor
+
+    registry = CollectorRegistry()
+    store = KVStore(block_size=16)
+    monitor = ParityMonitor(store, object(), registry, interval_s=300)
+    worker = FakeWorker("http://w:1")
+    bad = ParityResult(worker.id, False, "tokens differ", cause="chat template", block_size=32)
+    with caplog.at_level("WARNING", logger="switchyard.router.parity"):
+        monitor.report(worker, bad)
+        monitor.report(worker, bad)
+    gauge = registry.get_sample_value("switchyard_router_kv_parity", {"worker": worker.id})
+    assert gauge == 0.0
+    assert worker.kv_parity is not None and worker.kv_parity["cause"] == "chat template"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "likely cause: chat template" in lines[0]
+    monitor.report(worker, ParityResult(worker.id, True, "verified", block_size=32))
+    assert registry.get_sample_value("switchyard_router_kv_parity", {"worker": worker.id}) == 1.0
