@@ -65,3 +65,27 @@ def test_a_port_block_is_free_end_to_end() -> None:
     for port in range(base, base + 4):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def port_frees_within(port: int, seconds: float) -> bool:
+    """Whether nothing listens on ``port`` any more (closed connections may linger)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return True
+            except OSError:
+                time.sleep(0.05)
+    return False
+
+
+def test_a_server_in_its_own_group_stops_with_its_children() -> None:
+    """The health server is a grandchild: only signalling the group stops it."""
+    port = free_port()
+    spawn = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', *sys.argv[1:]])"
+    argv = [sys.executable, "-c", f"{spawn}; import time; time.sleep(60)", HEALTH_SERVER, str(port)]
+    with Server([], port, argv=argv, own_group=True):
+        assert not port_frees_within(port, 0.1)
+    assert port_frees_within(port, 5.0)
