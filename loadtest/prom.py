@@ -13,9 +13,16 @@ from prometheus_client.samples import Sample
 
 
 def samples(text: str) -> Iterator[Sample]:
-    """Every sample of the exposition (counters keep their ``_total`` sample name)."""
-    for family in text_string_to_metric_families(text):
-        yield from family.samples
+    """Every sample of the exposition (counters keep their ``_total`` sample name).
+
+    A malformed line (an HTML error page, a bad value) ends the reading with what came
+    before it, as ``balancer.scrape`` does, so a broken endpoint reads as missing metrics.
+    """
+    try:
+        for family in text_string_to_metric_families(text):
+            yield from family.samples
+    except ValueError:
+        return
 
 
 def totals(text: str) -> dict[str, float]:

@@ -21,7 +21,7 @@ from kvstore.discovery import EventSource, fetch_sources, worker_url
 from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
-from loadtest.prom import labels_of
+from loadtest.prom import labels_of, totals
 from router.parity import ParityChecker, ParityResult
 
 # The load signals the balancer reads, each under the names either flavour may use.
@@ -112,9 +112,7 @@ async def examine(
     data = models.get("data") if isinstance(models, dict) else None
     if isinstance(data, list) and data and isinstance(data[0], dict):
         report.model = str(data[0].get("id"))
-    names = {
-        line.split("{")[0].split(" ")[0] for line in metrics.splitlines() if line[:1].isalpha()
-    }
+    names = set(totals(metrics))
     report.flavor = "vllm" if any(n.startswith("vllm:") for n in names) else None
     if report.flavor is None and any(n.startswith("sglang:") for n in names):
         report.flavor = "sglang"

@@ -38,3 +38,8 @@ def test_labels_of_an_info_gauge_are_its_payload() -> None:
     assert labels_of(TEXT, "vllm:cache_config_info") == [
         {"block_size": "16", "num_gpu_blocks": "29000"}
     ]
+
+
+def test_a_malformed_line_ends_the_reading_with_what_came_before() -> None:
+    assert totals('a 1\nb{x="1"} not-a-number\nc 2\n') == {"a": 1.0}
+    assert totals("<html><body>502 Bad Gateway</body></html>") == {}
