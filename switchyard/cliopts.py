@@ -79,9 +79,15 @@ def settings_command(
 
     def callback(config: Path | None, **values: Any) -> None:
         for old, new in renamed.items():
-            if values.get(new) in (None, ()):
-                values[new] = values.get(old)
-            values.pop(old, None)
+            value = values.pop(old, None)
+            if value not in (None, ()):
+                click.echo(
+                    f"switchyard {name}: {_flag(tuple(old.split('__')))} is now "
+                    f"{_flag(tuple(new.split('__')))}; the old flag works until the next release",
+                    err=True,
+                )
+                if values.get(new) in (None, ()):
+                    values[new] = value
         settings = load_settings(model, config, _nest(values))
         run(settings, config)
 

@@ -12,6 +12,8 @@ an environment variable (with the service's prefix) and a flag.
 
 from __future__ import annotations
 
+import logging
+import os
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -24,6 +26,8 @@ from pydantic_settings import (
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
+
+log = logging.getLogger("switchyard.settings")
 
 _yaml_data: ContextVar[dict[str, Any] | None] = ContextVar("_yaml_data", default=None)
 
@@ -64,9 +68,15 @@ class _Canonical(PydanticBaseSettingsSource):
         out: dict[str, Any] = {}
         for key, value in self._inner().items():
             name = self._names.get(key.lower(), key)
+            if name != key:
+                _renamed(key, name)
             if name == key or name not in out:
                 out[name] = value
         return out
+
+
+def _renamed(old: str, new: str) -> None:
+    log.warning("%s is now called %s; the old name is read until the next release", old, new)
 
 
 def old_names(model: type[BaseSettings]) -> dict[str, str]:
@@ -120,6 +130,10 @@ class ServiceSettings(BaseSettings):
                 section = raw.get(cls.section) or {}
             data = section if isinstance(section, dict) else {}
         given = {k: v for k, v in flags.items() if v is not None and v != [] and v != ()}
+        prefix = str(cls.model_config.get("env_prefix", "")).upper()
+        for old, new in old_names(cls).items():
+            if prefix + old.upper() in os.environ:
+                _renamed(prefix + old.upper(), prefix + new.upper())
         token = _yaml_data.set(data)
         try:
             return cls(**given)

@@ -87,3 +87,13 @@ def test_settings_survive_the_json_handed_to_router_processes() -> None:
 
 def test_memory_index_and_kvstore_settings_share_one_capacity_default() -> None:
     assert MemoryIndex().capacity_blocks == KVStoreSettings().capacity_blocks
+
+
+def test_an_old_name_is_read_with_a_warning_that_names_the_new_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = tmp_path / "old.yaml"
+    config.write_text("balancer:\n  lease_seconds: 4\n")
+    with caplog.at_level("WARNING", logger="switchyard.settings"):
+        assert BalancerSettings.load(config).lease_s == 4.0
+    assert "lease_seconds is now called lease_s" in caplog.text
