@@ -7,21 +7,24 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import httpx
 import msgpack
 import pytest
 import zmq
 from aiohttp import web
+from fastapi.testclient import TestClient
 
 from kvstore.discovery import parse_sources, reachable
 from kvstore.events import BlockStored as WireStored
 from kvstore.events import EventBatch
 from kvstore.listener import TopicMap
+from kvstore.service import create_app
 from kvstore.settings import KVStoreSettings, parse_subscription
 from kvstore.store import KVStore
 from mockengine.engine.events import BlockStored, KVEventBatch
 from mockengine.kvevents import KVEventPublisher
 from switchyard.cli import run
-from tests.support import free_port
+from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -311,10 +314,6 @@ def test_a_bad_kvstore_flag_value_is_one_line_and_exit_2(
 
 
 async def test_the_service_lookup_carries_each_candidates_keys_in_its_block_size() -> None:
-    from fastapi.testclient import TestClient
-
-    from kvstore.service import create_app
-
     store = KVStore(block_size=16)
     tokens = list(range(128))
     await store.ingest(B, stored(tokens[:64], 32))
@@ -324,3 +323,26 @@ async def test_the_service_lookup_carries_each_candidates_keys_in_its_block_size
     assert answer["block_size"] == 16 and answer["instance_block_sizes"] == {B: 32}
     assert len(answer["keys"]) == 8 and len(answer["sized_keys"]["32"]) == 4
     assert {m["instance"]: m["matched_tokens"] for m in answer["matches"]} == {B: 64}
+
+
+def test_the_kvstore_service_given_a_worker_url_indexes_its_events() -> None:
+    port, kv_port = free_port(), free_port()
+    argv = ["mock", "--port", str(port), "--model", "m", "--speed", "100"]
+    argv += ["--kv-events-port", str(free_port()), "--block-size", "32"]
+    with Server(argv, port).start() as engine:
+        service = ["kvstore", "--port", str(kv_port), "--tokenizer", str(TOKENIZER_DIR)]
+        with Server([*service, "--worker", engine.url], kv_port).start() as kvstore:
+            messages = [{"role": "user", "content": "Tell me about harbours. " * 40}]
+            lookup: dict = {}
+            deadline = time.monotonic() + 20
+            while not lookup.get("matches") and time.monotonic() < deadline:
+                body = {"model": "m", "messages": messages, "max_tokens": 1}
+                httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10)
+                time.sleep(0.2)
+                lookup = httpx.post(
+                    kvstore.url + "/v1/lookup",
+                    json={"model": "m", "messages": messages, "candidates": [engine.url]},
+                ).json()
+            (match,) = lookup["matches"]
+            assert lookup["block_size"] == 32 and match["instance"] == engine.url
+            assert match["matched_tokens"] == lookup["total_tokens"] // 32 * 32
