@@ -52,9 +52,11 @@ Prompt = dict[str, Any]  # {"messages": [...]} or {"prompt": "..."}
 class PrefixSource(Protocol):
     """Where the router's knowledge of the engines' KV caches comes from."""
 
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Connect (and, embedded, start following the engines' events)."""
 
-    async def stop(self) -> None: ...
+    async def stop(self) -> None:
+        """Release sockets and sessions."""
 
     def follow(self, fleet: FleetView) -> None:
         """Keep event subscriptions equal to the fleet (embedded only: a service has its own)."""
