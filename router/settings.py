@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -34,9 +34,45 @@ class RouterSettings(ServiceSettings):
     )
     api_key: str | None = Field(default=None, description="Bearer key clients must send")
     admin_api_key: str | None = Field(default=None, description="Bearer key for /admin")
+    worker_api_key: str | None = Field(
+        default=None,
+        description="Bearer key the router sends to the workers (clients' Authorization "
+        "never reaches them)",
+    )
+    metrics_auth: Literal["auto", "none", "api_key", "admin_key"] = Field(
+        default="auto",
+        description="key /metrics, /docs and /openapi.json need: none, api_key, admin_key, "
+        "or auto (admin_key once an admin key is set, else none)",
+    )
+    client_kv_transfer: bool = Field(
+        default=False,
+        description="accept clients' kv_transfer_params and bootstrap_* body fields "
+        "(only behind an outer P/D proxy; else they are refused with 400)",
+    )
+    max_header_bytes: int = Field(
+        default=32 * 1024, ge=1024, description="request header cap (431 beyond it)"
+    )
 
     connect_timeout_s: float = Field(default=3.0, gt=0, description="connect to a worker")
-    first_byte_timeout_s: float = Field(default=600.0, gt=0, description="worker's first byte")
+    first_byte_timeout_s: float = Field(
+        default=600.0, gt=0, description="longest wait for a worker's first byte"
+    )
+    first_byte_base_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="first-byte deadline before another worker is tried: this plus "
+        "first_byte_slack x the TTFT the worker's learned rate predicts (until one is "
+        "learned: admission_prior_tokens_per_s)",
+    )
+    first_byte_slack: float = Field(
+        default=4.0, ge=1, description="how many times its predicted prefill a worker may take"
+    )
+    output_token_allowance_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="seconds per max_tokens a non-streamed answer adds to its first-byte "
+        "deadline (without max_tokens it has only first_byte_timeout_s)",
+    )
     idle_timeout_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
 
@@ -96,7 +132,9 @@ class RouterSettings(ServiceSettings):
         ge=0,
         description="hash-parity self-check per worker: every N s (0: only at start-up)",
     )
-    speculative_ttl_s: float = Field(default=30.0, ge=0, description="TTL of placements recorded without KV events")
+    speculative_ttl_s: float = Field(
+        default=30.0, ge=0, description="TTL of placements recorded without KV events"
+    )
     event_lag_ttl_s: float = Field(
         default=2.0, ge=0, description="placements bridge the wait for engines' KV events"
     )
@@ -106,7 +144,26 @@ class RouterSettings(ServiceSettings):
         default=None, gt=0, description="default TTFT objective for admission"
     )
     admission_max_wait_ms: float = Field(
-        default=250.0, ge=0, description="longest wait for a worker to meet the TTFT objective"
+        default=250.0,
+        ge=0,
+        description="longest wait for a worker to meet the TTFT objective when its prediction "
+        "is within admission_margin_ratio of it",
+    )
+    admission_margin_ratio: float = Field(
+        default=0.25,
+        ge=0,
+        description="over the TTFT objective by more than this fraction: reject at once; "
+        "within it: wait up to admission_max_wait_ms",
+    )
+    admission_prior_tokens_per_s: float = Field(
+        default=10_000.0,
+        gt=0,
+        description="prefill rate assumed for a worker until its answers or calibration teach one",
+    )
+    admission_calibrate: bool = Field(
+        default=False,
+        description="at start-up, one short and one long canary per worker to learn its TTFT "
+        "overhead and prefill rate",
     )
 
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
