@@ -7,7 +7,8 @@ with every engine idle and its prefix cache emptied (``POST /reset_prefix_cache`
 before each run. Prints the comparison table (medians and worst runs), then per config
 what the engines themselves measured (mean TTFT, queue and prefill time per request,
 from their ``vllm:`` histograms) and our router's own scheduling time, so a TTFT gap
-can be split into router, queueing and prefill. Usage::
+can be split into router, queueing and prefill, and the CPU time each router process
+used (on a small machine it competes with the engines for the same cores). Usage::
 
     python -m bench.real_vllm [--engines 2] [--repeats 3] [--rate 2] [--duration 30]
         [--policies round_robin,kv_aware,smg:cache_aware] [--out bench-results/real_vllm]
@@ -57,10 +58,13 @@ SCHEDULE = "switchyard_router_schedule_seconds"
 
 @dataclass
 class Diagnosis:
-    """Per run of one config: engine-side mean times (ms) and router schedule time (ms)."""
+    """Per run of one config: client and engine-side mean times (ms), router schedule
+    time (ms) and the CPU seconds the router process used (it shares the engines' cores)."""
 
+    client_ttft_ms: list[float] = field(default_factory=list)
     engine_ms: dict[str, list[float]] = field(default_factory=dict)
     schedule_ms: list[float] = field(default_factory=list)
+    router_cpu_s: list[float] = field(default_factory=list)
 
 
 def engine_sums(fleet: VllmFleet) -> dict[str, float]:
@@ -78,6 +82,12 @@ def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> flo
     if count <= 0:
         return None
     return (after[name + "_sum"] - before[name + "_sum"]) / count * 1000.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def router_schedule_ms(url: str) -> float | None:
@@ -149,11 +159,15 @@ def compare_on(
             try:
                 router = start_router(spec, fleet.engines, timeout_s=60.0)
             except Unavailable as exc:
-                outcome.unavailable[spec.label] = str(exc)
+                if not outcome.runs_of(spec.label):
+                    outcome.unavailable[spec.label] = str(exc)
+                console.print(f"run {repeat + 1} {spec.label}: could not start: {exc}")
                 continue
             with router:
                 time.sleep(1.0)
+                cpu = cpu_seconds(router.proc.pid)
                 results = asyncio.run(replay(router.url, workload, MODEL, cfg.request_timeout_s))
+                cpu = cpu_seconds(router.proc.pid) - cpu
                 schedule = router_schedule_ms(router.url) if spec.kind == "switchyard" else None
             after, sums_after = fleet.counters(), engine_sums(fleet)
             deltas = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
@@ -166,6 +180,8 @@ def compare_on(
             ttfts = [r.ttft_s * 1000.0 for r in results if r.ok and r.ttft_s is not None]
             outcome.runs.append(Run(spec.label, repeat, summary, ttfts))
             diag = diagnoses.setdefault(spec.label, Diagnosis())
+            diag.client_ttft_ms.append(statistics.fmean(ttfts) if ttfts else 0.0)
+            diag.router_cpu_s.append(cpu)
             for label, name in ENGINE_TIMES.items():
                 value = mean_ms(sums, sums_after, name)
                 if value is not None:
@@ -183,16 +199,20 @@ def compare_on(
 
 
 def diagnosis_table(diagnoses: dict[str, Diagnosis]) -> Table:
-    table = Table(title="Where TTFT goes (median over runs of per-request means, ms)")
+    table = Table(
+        title="Where TTFT goes: medians over runs of per-request means (ms), router CPU (s)"
+    )
     table.add_column("router")
-    for label in [*ENGINE_TIMES, "router schedule"]:
+    for label in ["client TTFT", *ENGINE_TIMES, "router schedule", "router CPU s"]:
         table.add_column(label, justify="right")
     for policy, d in diagnoses.items():
-        cells = [
+        cells = [f"{statistics.median(d.client_ttft_ms):.0f}"]
+        cells += [
             f"{statistics.median(d.engine_ms[k]):.0f}" if d.engine_ms.get(k) else "-"
             for k in ENGINE_TIMES
         ]
         cells.append(f"{statistics.median(d.schedule_ms):.1f}" if d.schedule_ms else "-")
+        cells.append(f"{statistics.median(d.router_cpu_s):.1f}")
         table.add_row(policy, *cells)
     return table
 
@@ -209,8 +229,9 @@ def verdicts(outcome: Outcome) -> list[str]:
         if a is None or b is None:
             continue
         ok = a["median"] >= b["median"] if higher else a["median"] <= b["median"]
+        spec = ".4f" if higher else ".0f"
         out.append(
-            f"{column}: {OURS} {a['median']:.3f} vs {SMG} {b['median']:.3f}: "
+            f"{column}: {OURS} {a['median']:{spec}} vs {SMG} {b['median']:{spec}}: "
             + ("PASS" if ok else "FAIL")
         )
     return out

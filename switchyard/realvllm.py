@@ -24,7 +24,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -286,14 +285,3 @@ class VllmFleet:
     def stop(self) -> None:
         for e in self.running:
             e.stop()
-
-
-def chat_body(messages: list[dict[str, str]], model: str, max_tokens: int) -> dict[str, Any]:
-    """A deterministic chat request (greedy, EOS ignored so the output length is exact)."""
-    return {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
