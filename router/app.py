@@ -24,11 +24,12 @@ from kvstore.store import KVStore
 from router.admission import PRIORITIES, Admission, TTFTModel
 from router.control import build_control_app
 from router.errors import RouterError
-from router.forward import Forwarder
+from router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
+from router.headers import FORWARDED_HEADERS, valid_request_id
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.pd.orchestrator import build_orchestrator
-from router.relay import HOP_BY_HOP, Relay, send_complete
+from router.relay import Relay, send_complete
 from router.request import DATA_ROUTES, RoutedRequest, parse
 from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
@@ -92,12 +93,16 @@ class RouterApp:
             if kvstore is not None
             else None
         )
-        self.ttft_model = TTFTModel()
+        self.ttft_model = TTFTModel(
+            settings.admission_prior_tokens_per_s, self.metrics.ttft_prediction
+        )
         self.admission = Admission(
             self.ttft_model,
             self.metrics,
             default_slo_ms=settings.slo_ttft_ms,
             max_wait_ms=settings.admission_max_wait_ms,
+            margin_ratio=settings.admission_margin_ratio,
+            calibrate=settings.admission_calibrate,
         )
         self.relay = Relay(
             connect_timeout_s=settings.connect_timeout_s,
@@ -114,6 +119,11 @@ class RouterApp:
             backoff_max_s=settings.retry_backoff_max_s,
             kv=self.kv,
             ttft_model=self.ttft_model,
+            deadlines=FirstByteDeadlines(
+                settings.first_byte_base_s,
+                settings.first_byte_slack,
+                settings.output_token_allowance_s,
+            ),
         )
         self.pd = build_orchestrator(
             settings.pd,
@@ -125,6 +135,9 @@ class RouterApp:
             kv=self.kv,
         )
         self.api_key = data_access(settings.api_key)
+        self.worker_authorization = (
+            f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
+        )
         self._routes = {route: route for route in DATA_ROUTES}
         self.control = build_control_app(self)
 
@@ -135,8 +148,10 @@ class RouterApp:
         if self.kv is not None:
             await self.kv.start()
         await self.fleet.start()
+        self.admission.start(self.fleet, self.relay.session)
 
     async def stop(self) -> None:
+        await self.admission.stop()
         await self.fleet.stop()
         if self.kv is not None:
             await self.kv.stop()
@@ -185,11 +200,14 @@ class RouterApp:
         slo_header: str | None = None
         content_length: int | None = None
         auth: bytes | None = None
+        header_bytes = 0
         forward_headers: dict[str, str] = {}
         for key, value in scope["headers"]:
+            header_bytes += len(key) + len(value)
             if key == b"x-request-id":
                 request_id = value
-            elif key == b"x-session-id":
+                continue
+            if key == b"x-session-id":
                 session = value.decode("latin-1")
             elif key == b"x-priority":
                 priority = value.decode("latin-1").lower()
@@ -199,22 +217,29 @@ class RouterApp:
                 content_length = int(value) if value.isdigit() else None
             elif key == b"authorization":
                 auth = value
-                if self.api_key.keys:
-                    continue
-            if key not in HOP_BY_HOP:
-                forward_headers[key.decode("latin-1")] = value.decode("latin-1")
-        if request_id is None:
+            name = FORWARDED_HEADERS.get(key)
+            if name is not None:
+                forward_headers[name] = value.decode("latin-1")
+        if request_id is None or not valid_request_id(request_id):
             request_id = os.urandom(16).hex().encode()
-            forward_headers["x-request-id"] = request_id.decode()
+        forward_headers["x-request-id"] = request_id.decode("ascii")
+        if self.worker_authorization is not None:
+            forward_headers["authorization"] = self.worker_authorization
         response = _Response(send)
         status, worker_id = 500, "none"
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         try:
+            if header_bytes > self.settings.max_header_bytes:
+                raise RouterError(
+                    431,
+                    f"Request headers exceed {self.settings.max_header_bytes} bytes",
+                    code="headers_too_large",
+                )
             if not self.authorized(auth):
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             body = await self._read_body(receive, content_length)
-            req = parse(route, body, session)
+            req = parse(route, body, session, self.settings.client_kv_transfer)
             dispatch: Awaitable[tuple[int, str]]
             if self.pd is not None and self.pd.applies(req):
                 dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
@@ -280,7 +305,7 @@ class RouterApp:
         self._count_decision(ctx, ranked[0])
         objective = self.admission.objective_s(ctx, slo_header)
         if objective is not None:
-            await self.admission.admit(ctx, ranked, objective)
+            await self.admission.admit(ctx, ranked, objective, req.stream)
         self.metrics.schedule.observe(time.perf_counter() - began)
         return ctx, ranked
 
@@ -360,4 +385,6 @@ class RouterApp:
             (b"x-request-id", request_id),
             *((k.encode(), v.encode()) for k, v in exc.headers.items()),
         ]
+        if WORKER_HEADER.decode() not in exc.headers:
+            headers.append((WORKER_HEADER, b"none"))
         await send_complete(response, exc.status, headers, body)

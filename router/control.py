@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -15,7 +16,8 @@ from prometheus_client.registry import Collector
 
 from balancer.admin import admin_router
 from router.errors import RouterError
-from switchyard.auth import admin_access, startup_line
+from router.settings import RouterSettings
+from switchyard.auth import RequireKey, admin_access, data_access, startup_line
 from switchyard.errors import install_error_handlers
 
 if TYPE_CHECKING:
@@ -75,13 +77,47 @@ def _total(counter: Counter) -> float:
     return 0.0
 
 
+def observability_access(settings: RouterSettings) -> RequireKey:
+    """Who may read /metrics (it lists the worker URLs), /docs and /openapi.json.
+
+    ``metrics_auth``: ``none`` (open), ``api_key`` (a data key or the admin key; open while
+    no data key is set), ``admin_key`` (the admin key; refused while none is set), or
+    ``auto``: ``admin_key`` once an admin key is set, else ``none``.
+    """
+    rule = settings.metrics_auth
+    if rule == "auto":
+        rule = "admin_key" if settings.admin_api_key else "none"
+    if rule == "admin_key":
+        return admin_access(settings.admin_api_key)
+    if rule == "api_key":
+        return data_access(settings.api_key, settings.admin_api_key)
+    return data_access(None)
+
+
 def build_control_app(router: RouterApp) -> FastAPI:
     app = FastAPI(
         title="Switchyard router",
         description="OpenAI-compatible router: control plane (the inference routes are "
         "POST /v1/completions, /v1/chat/completions and /v1/embeddings).",
         version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
+    observers = [Depends(observability_access(router.settings))]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=observers)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=observers)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=observers)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
     fleet_collector = _FleetCollector(router)
     router.metrics.registry.register(fleet_collector)
 
@@ -120,7 +156,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
             )
         return JSONResponse({"status": "ready", "routable_workers": routable})
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", summary="Prometheus metrics", dependencies=observers)
     async def metrics() -> Response:
         registry = router.metrics.registry
         if router.settings.processes > 1:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 from prometheus_client import Histogram
@@ -20,14 +20,14 @@ from starlette.types import Send
 
 from balancer.view import FleetView
 from balancer.worker import Outcome, Ticket, Worker
-from router.admission import TTFTModel
+from router.admission import Expected, TTFTModel
 from router.errors import RouterError
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from router.request import RoutedRequest
 from router.scheduler.framework import Context
-from router.upstream import Call
+from router.upstream import Call, Unsent
 
 RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
@@ -50,6 +50,32 @@ class _Retry(Exception):
         self.error = error
 
 
+@dataclass(frozen=True, slots=True)
+class FirstByteDeadlines:
+    """How long a worker may take for its first byte while another could still answer.
+
+    The worker's predicted TTFT (its learned rate for the prompt's uncached part plus its
+    queue) times ``slack``, plus ``base_s``. A non-streamed answer comes whole, so it adds
+    ``output_token_allowance_s`` per ``max_tokens``; without ``max_tokens`` it gets only the
+    relay's cap. Never more than that cap.
+    """
+
+    base_s: float
+    slack: float
+    output_token_allowance_s: float
+
+    def of(self, req: RoutedRequest, expected: Expected | None, cap_s: float) -> float | None:
+        deadline = self.base_s
+        if expected is not None:
+            deadline += self.slack * expected.predicted_s
+        if not req.stream:
+            output = req.data.get("max_tokens") or req.data.get("max_completion_tokens")
+            if not isinstance(output, int) or output <= 0:
+                return None
+            deadline += output * self.output_token_allowance_s
+        return min(deadline, cap_s)
+
+
 class Forwarder:
     def __init__(
         self,
@@ -62,7 +88,10 @@ class Forwarder:
         backoff_max_s: float,
         kv: KVAwareness | None = None,
         ttft_model: TTFTModel | None = None,
+        deadlines: FirstByteDeadlines | None = None,
     ) -> None:
+        """``deadlines``: when a worker's first byte is late enough to try another (None:
+        only the relay's first-byte timeout)."""
         self.fleet = fleet
         self.relay = relay
         self.metrics = metrics
@@ -71,6 +100,7 @@ class Forwarder:
         self.backoff_max_s = backoff_max_s
         self.kv = kv
         self.ttft_model = ttft_model
+        self.deadlines = deadlines
         self._rng = random.Random()
 
     def rank_for(self, ctx: Context, worker: Worker) -> int | None:
@@ -109,7 +139,7 @@ class Forwarder:
             last = attempt + 1 == attempts
             try:
                 return await self._attempt(
-                    req, ctx, worker, headers, request_id, send, started, last
+                    req, ctx, worker, headers, request_id, send, started, last, len(ranked) > 1
                 )
             except _Retry as retry:
                 self.metrics.retries.labels(retry.reason).inc()
@@ -128,11 +158,15 @@ class Forwarder:
         send: Send,
         started: float,
         last: bool,
+        others: bool,
     ) -> tuple[int, str]:
         """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
-        failed before the client saw a byte and another worker may try."""
-        work_tokens = (
-            self.ttft_model.work_tokens(ctx, worker) if self.ttft_model is not None else 0.0
+        failed before the client saw a byte and another worker may try.
+
+        While a later attempt can go to another worker (``others`` and not ``last``), the
+        first byte must come within ``deadlines``; otherwise within the relay's cap."""
+        expected = (
+            self.ttft_model.expect(ctx, worker, req.stream) if self.ttft_model is not None else None
         )
         rank = await self.place(ctx, worker)
         call = Call(
@@ -144,16 +178,23 @@ class Forwarder:
             prompt_tokens=ctx.prompt_tokens,
             prefill_tokens=queued_prefill(ctx, worker),
         )
+        deadlines = self.deadlines
+        deadline_s = (
+            deadlines.of(req, expected, self.relay.first_byte_timeout_s)
+            if deadlines is not None and others and not last
+            else None
+        )
+        due = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             with call:
-                resp = await self.relay.open(call.url, req.body, call.headers)
+                resp = await self.relay.open(call.url, req.body, call.headers, deadline_s)
                 try:
                     status = resp.status
                     call.head(status)
                     if status in RETRYABLE_STATUS:
                         if last:
                             self.metrics.retries.labels("exhausted").inc()
-                            await self._relay_whole(resp, request_id, send)
+                            await self._relay_whole(resp, request_id, send, worker)
                             return status, worker.id
                         await resp.read()
                     else:
@@ -164,33 +205,43 @@ class Forwarder:
                             send,
                             started,
                             call.ticket,
-                            work_tokens,
+                            expected,
                             ctx,
                             rank,
+                            due,
                         )
                         if self.kv is not None and status == 200:
                             self.kv.observe_usage(ctx, worker.id, tail)
                         return status, worker.id
                 finally:
                     resp.close()
+        except Unsent as unsent:
+            raise _Retry(
+                f"unsent_{call.outcome}", self._upstream_error(unsent.cause, worker, answered=True)
+            ) from None
         except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
             if call.answered or call.outcome not in _RETRIED:
-                raise
+                raise self._upstream_error(exc, worker, answered=call.answered) from None
+            tried = {WORKER_HEADER.decode(): worker.id}
             if call.outcome is Outcome.TIMEOUT:
-                error = RouterError(504, f"Upstream timeout: {exc}", code="upstream_timeout")
+                error = RouterError(
+                    504, f"Upstream timeout: {exc}", code="upstream_timeout", headers=tried
+                )
             else:
                 error = RouterError(
-                    502, f"Upstream unreachable: {exc}", code="upstream_unreachable"
+                    502, f"Upstream unreachable: {exc}", code="upstream_unreachable", headers=tried
                 )
             raise _Retry(str(call.outcome), error) from None
         raise _Retry(f"status_{status}")
 
     async def _relay_whole(
-        self, resp: aiohttp.ClientResponse, request_id: bytes, send: Send
+        self, resp: aiohttp.ClientResponse, request_id: bytes, send: Send, worker: Worker
     ) -> None:
         """The last worker's 502/503 goes to the client as it answered."""
         body = await self.relay.read_all(resp)
-        await send_complete(send, resp.status, response_headers(resp, request_id), body)
+        headers = response_headers(resp, request_id)
+        headers.append((WORKER_HEADER, worker.id.encode()))
+        await send_complete(send, resp.status, headers, body)
 
     async def _relay_response(
         self,
@@ -200,53 +251,86 @@ class Forwarder:
         send: Send,
         started: float,
         ticket: Ticket,
-        work_tokens: float,
+        expected: Expected | None,
         ctx: Context,
         rank: int | None,
+        due: float | None,
     ) -> bytes:
-        """Send the worker's answer to the client; return the bytes where usage would be."""
+        """Send the worker's answer to the client; return the bytes where usage would be.
+
+        Nothing reaches the client before the first chunk of a stream (or the whole of
+        another answer), so until then a failure raises ``Unsent`` and another worker may
+        answer. A stream's first chunk must come by ``due`` (monotonic; None: the cap).
+        """
         out_headers = response_headers(resp, request_id)
         out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
         ttft = self.metrics.child(self.metrics.ttft, req.route)
         content_type = resp.headers.get("Content-Type", "")
         if content_type.startswith("text/event-stream"):
+            wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
+            try:
+                first = await self.relay.first_chunk(resp, wait_s)
+            except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+                raise Unsent(exc) from None
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
             )
-            mark = self._first_chunk(ttft, started, ticket, work_tokens, ctx, rank)
+            if not first:
+                await send({"type": "http.response.body", "body": b""})
+                return b""
+            self._first_token(ttft, started, ticket, expected, ctx, rank)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
             tail = await self.relay.stream(
-                resp, send, mark, lambda n: self.fleet.progress(ticket, n)
+                resp, send, first, lambda n: self.fleet.progress(ticket, n)
             )
             await send({"type": "http.response.body", "body": b""})
             return tail
-        body = await self.relay.read_all(resp)
-        ttft.observe(time.perf_counter() - started)
+        try:
+            body = await self.relay.read_all(resp)
+        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+            raise Unsent(exc) from None
+        elapsed = time.perf_counter() - started
+        ttft.observe(elapsed)
+        if expected is not None and resp.status == 200:
+            expected.observe(elapsed)
         await send_complete(send, resp.status, out_headers, body)
         if self.kv is not None:
             self.kv.answered(ctx, ticket.worker, rank)
         return body
 
-    def _first_chunk(
+    def _first_token(
         self,
         ttft: Histogram,
         started: float,
         ticket: Ticket,
-        work_tokens: float,
+        expected: Expected | None,
         ctx: Context,
         rank: int | None,
-    ) -> Callable[[], None]:
+    ) -> None:
         """What the first streamed chunk triggers; the KV bookkeeping runs after that byte."""
+        elapsed = time.perf_counter() - started
+        ttft.observe(elapsed)
+        self.fleet.first_token(ticket)
+        if expected is not None:
+            expected.observe(elapsed)
+        if self.kv is not None:
+            self.kv.answered(ctx, ticket.worker, rank)
 
-        def mark() -> None:
-            elapsed = time.perf_counter() - started
-            ttft.observe(elapsed)
-            self.fleet.first_token(ticket)
-            if self.ttft_model is not None:
-                self.ttft_model.observe(ticket.worker.id, elapsed, work_tokens)
-            if self.kv is not None:
-                self.kv.answered(ctx, ticket.worker, rank)
-
-        return mark
+    def _upstream_error(self, exc: BaseException, worker: Worker, *, answered: bool) -> RouterError:
+        """What the client hears of an answer that failed: 504 if the worker went silent, else
+        502 (after the first byte, the stream ends with this as its last event)."""
+        tried = {WORKER_HEADER.decode(): worker.id}
+        if isinstance(exc, UpstreamTimeout | TimeoutError):
+            return RouterError(
+                504, f"Upstream timeout: {exc}", code="upstream_timeout", headers=tried
+            )
+        where = "broke off its answer" if answered else "failed"
+        return RouterError(
+            502,
+            f"Upstream worker {worker.id} {where}: {type(exc).__name__}",
+            code="upstream_error",
+            headers=tried,
+        )
 
     def _backoff(self, attempt: int) -> float:
         base = min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1)))

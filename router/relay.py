@@ -75,15 +75,25 @@ class Relay:
             raise RuntimeError("relay is not started")
         return self._session
 
-    async def open(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """Send the request and wait for the response head (the first byte)."""
+    async def open(
+        self, url: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
+    ) -> aiohttp.ClientResponse:
+        """Send the request and wait for the response head, at most ``timeout_s``
+        (default and cap: ``first_byte_timeout_s``)."""
+        limit = self.first_byte_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(self.first_byte_timeout_s):
+            async with asyncio.timeout(limit):
                 return await self.session.post(url, data=body, headers=headers)
         except TimeoutError:
-            raise UpstreamTimeout(
-                f"no response from {url} within {self.first_byte_timeout_s}s"
-            ) from None
+            raise UpstreamTimeout(f"no response from {url} within {limit:.1f}s") from None
+
+    async def first_chunk(self, resp: aiohttp.ClientResponse, timeout_s: float) -> bytes:
+        """The first body chunk of a stream (b"" if the stream is empty), within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                return await resp.content.readany()
+        except TimeoutError:
+            raise UpstreamTimeout(f"no first token within {timeout_s:.1f}s") from None
 
     async def read_all(self, resp: aiohttp.ClientResponse) -> bytes:
         try:
@@ -96,10 +106,11 @@ class Relay:
         self,
         resp: aiohttp.ClientResponse,
         send: Send,
-        on_first_chunk: Callable[[], None],
+        first: bytes,
         on_progress: Callable[[int], None],
     ) -> bytes:
-        """Forward body chunks as they arrive; return the last two (where usage is).
+        """Forward the chunks after ``first`` (already sent) as they arrive; return the
+        last two (where usage is).
 
         ``on_progress`` hears the chunk count every 16 chunks (about one token each
         from vLLM/SGLang), so the load model sees decode contexts grow. Raises
@@ -108,8 +119,8 @@ class Relay:
         loop = asyncio.get_running_loop()
         idle = self.idle_timeout_s
         content = resp.content
-        chunks = 0
-        previous = last = b""
+        chunks = 1
+        previous, last = b"", first
         try:
             async with asyncio.timeout(idle) as deadline:
                 while True:
@@ -117,9 +128,7 @@ class Relay:
                     if not chunk:
                         return previous + last
                     chunks += 1
-                    if chunks == 1:
-                        on_first_chunk()
-                    elif not chunks & 15:
+                    if not chunks & 15:
                         on_progress(chunks)
                     previous, last = last, chunk
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -18,6 +18,10 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 DATA_ROUTES = (COMPLETIONS, CHAT, EMBEDDINGS)
+# Body fields that steer an engine's KV transfer (where to pull or push the cache): only the
+# router's P/D orchestrator writes them. A client's would make an engine connect where the
+# client says, so they are refused unless the router sits behind a P/D proxy that sets them.
+TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 @dataclass(slots=True)
@@ -35,7 +39,10 @@ class RoutedRequest:
         return self.prompt_chars // CHARS_PER_TOKEN + 1
 
 
-def parse(route: str, body: bytes, session_header: str | None) -> RoutedRequest:
+def parse(
+    route: str, body: bytes, session_header: str | None, transfer_fields: bool = False
+) -> RoutedRequest:
+    """The routing fields of ``body``; ``transfer_fields``: accept ``TRANSFER_FIELDS``."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
@@ -47,6 +54,15 @@ def parse(route: str, body: bytes, session_header: str | None) -> RoutedRequest:
         raise RouterError(400, "Missing required parameter: 'model'", param="model")
     if not isinstance(model, str) or not model:
         raise RouterError(400, "'model' must be a non-empty string", param="model")
+    if not transfer_fields:
+        for field in TRANSFER_FIELDS:
+            if field in data:
+                raise RouterError(
+                    400,
+                    f"'{field}' is set by the router, not by clients",
+                    param=field,
+                    code="routing_field_not_allowed",
+                )
     stream = data.get("stream", False)
     if not isinstance(stream, bool):
         raise RouterError(400, "'stream' must be a boolean", param="stream")

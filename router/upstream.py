@@ -8,7 +8,7 @@ one classification of failures whichever path a request took:
   ``connect_error``; any other client error is ``server_error``;
 - the head arrived and then the answer broke off: ``server_error`` (the worker was
   reachable and failed while answering, so an early re-probe would learn nothing);
-- a deadline passed (first byte, idle stream, leg timeout): ``timeout``;
+- a deadline passed (first byte, first token, idle stream, leg timeout): ``timeout``;
 - an answer with a 5xx status is ``server_error``, any other status ``success``;
 - cancelled (the client left, a sibling leg failed) or failed on our side:
   ``client_abort``, which is not held against the worker.
@@ -25,8 +25,19 @@ from balancer.worker import Outcome, Ticket, Worker
 from router.relay import UpstreamTimeout
 
 
+class Unsent(Exception):
+    """The answer failed after its head but before any byte reached the client, so another
+    worker may still answer; ``cause`` is the failure (and what the outcome is made of)."""
+
+    def __init__(self, cause: UpstreamTimeout | aiohttp.ClientError | OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def outcome_of(exc: BaseException, answered: bool) -> Outcome:
     """The outcome of a call that raised ``exc``; ``answered``: the response head had arrived."""
+    if isinstance(exc, Unsent):
+        exc = exc.cause
     if isinstance(exc, UpstreamTimeout | TimeoutError):
         return Outcome.TIMEOUT
     if answered:

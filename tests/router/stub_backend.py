@@ -22,6 +22,8 @@ from tests.support import free_port
 class StubState:
     status: int = 200
     hang: bool = False
+    # Close the connection after this many chunks (streams) or half the body (others).
+    cut_after_chunks: int | None = None
     chunk_interval_s: float = 0.05
     models: list[str] = field(default_factory=lambda: ["stub-model"])
     requests: int = 0
@@ -85,14 +87,32 @@ class StubBackend:
             )
         body = orjson.loads(s.last_body)
         if not body.get("stream"):
-            return web.json_response({"id": "cmpl-stub", "object": "text_completion", "echo": body})
+            answer = {"id": "cmpl-stub", "object": "text_completion", "echo": body}
+            if s.cut_after_chunks is None:
+                return web.json_response(answer)
+            return await self._cut_whole(request, orjson.dumps(answer))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:
             for i in range(100_000):
+                if i == s.cut_after_chunks:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
                 await resp.write(b'data: {"i": %d}\n\n' % i)
                 await asyncio.sleep(s.chunk_interval_s)
         except (asyncio.CancelledError, ConnectionResetError):
             s.disconnected_at.append(time.monotonic())
             raise
+        return resp
+
+    async def _cut_whole(self, request: web.Request, body: bytes) -> web.StreamResponse:
+        """Announce the whole body, send half of it, then drop the connection."""
+        resp = web.StreamResponse(
+            headers={"Content-Type": "application/json", "Content-Length": str(len(body))}
+        )
+        await resp.prepare(request)
+        await resp.write(body[: len(body) // 2])
+        assert request.transport is not None
+        request.transport.close()
         return resp

@@ -1,0 +1,36 @@
+"""Which client headers reach the engines, and which request ids the router accepts.
+
+Forwarding is an allow-list: the headers that describe the content, trace the request or
+name its session. Everything else (cookies, the client's ``Authorization``, routing
+headers such as ``x-data-parallel-rank`` that only the router sets) stays at the router.
+The engines get ``Authorization`` only as the router's own ``worker_api_key``.
+"""
+
+from __future__ import annotations
+
+# Longest client ``x-request-id`` echoed and forwarded; a longer one is replaced.
+MAX_REQUEST_ID_CHARS = 128
+
+# Client header -> the name it is forwarded under (decoded once, here).
+FORWARDED_HEADERS: dict[bytes, str] = {
+    name: name.decode()
+    for name in (
+        b"content-type",
+        b"accept",
+        b"accept-encoding",
+        b"user-agent",
+        b"x-session-id",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",
+    )
+}
+
+
+def valid_request_id(value: bytes) -> bool:
+    """A client id the router may echo, log and forward: 1-128 printable ASCII characters."""
+    return (
+        0 < len(value) <= MAX_REQUEST_ID_CHARS
+        and value.isascii()
+        and value.decode("ascii").isprintable()
+    )
