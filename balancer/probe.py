@@ -183,10 +183,13 @@ def apply_scrape(worker: Worker, samples: list[Scrape]) -> None:
     else:
         totals = [x.total for x in samples if x.total is not None]
         kvs = [t.kv_usage for t in totals if t.kv_usage is not None]
+        ttfts = [t for t in totals if t.ttft_sum is not None and t.ttft_count is not None]
         worker.engine = EngineSample(
             running=sum(t.running for t in totals),
             waiting=sum(t.waiting for t in totals),
             kv_usage=sum(kvs) / len(kvs) if kvs else None,
+            ttft_sum=sum(t.ttft_sum or 0.0 for t in ttfts) if ttfts else None,
+            ttft_count=sum(t.ttft_count or 0.0 for t in ttfts) if ttfts else None,
         )
         worker.engine_ranks = {i: x.total for i, x in enumerate(samples) if x.total}
     for i, counters in enumerate(worker.ranks):

@@ -24,6 +24,12 @@ KV_USAGE = {
 # KV capacity in tokens: vLLM puts it in labels of an info gauge, SGLang in a gauge.
 VLLM_CACHE_INFO = "vllm:cache_config_info"
 SGLANG_CAPACITY = "sglang:max_total_num_tokens"
+# The engine's own TTFT histogram (same family name in both), for the router's admission.
+TTFT_SUM = {"vllm:time_to_first_token_seconds_sum", "sglang:time_to_first_token_seconds_sum"}
+TTFT_COUNT = {
+    "vllm:time_to_first_token_seconds_count",
+    "sglang:time_to_first_token_seconds_count",
+}
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 
 
@@ -77,6 +83,10 @@ def parse_metrics(text: str) -> Scrape:
             kind, flavor = "capacity", flavor or "sglang"
         elif name == VLLM_CACHE_INFO:
             kind, flavor = "capacity", flavor or "vllm"
+        elif name in TTFT_SUM:
+            kind = "ttft_sum"
+        elif name in TTFT_COUNT:
+            kind = "ttft_count"
         else:
             if flavor is None and name.startswith(("vllm:", "sglang:")):
                 flavor = name.split(":", 1)[0]
@@ -103,6 +113,8 @@ def parse_metrics(text: str) -> Scrape:
             waiting=int(sums.get(("waiting", rank), 0.0)),
             kv_usage=kv,
             kv_tokens=round(kv * capacity) if kv is not None and capacity else None,
+            ttft_sum=sums.get(("ttft_sum", rank)),
+            ttft_count=sums.get(("ttft_count", rank)),
         )
 
     ranks = {r: s for r in {k[1] for k in sums if k[1] is not None} if (s := sample(r))}

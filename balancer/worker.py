@@ -195,6 +195,9 @@ class EngineSample:
     waiting: int
     kv_usage: float | None
     kv_tokens: int | None = None  # KV usage times capacity, when the engine says its capacity
+    # The engine's TTFT histogram, summed over its series (the router's admission learns from it).
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
 
 
 class Worker:

@@ -1,59 +1,168 @@
 """SLO-aware admission: predict time to first token per candidate, reject early when hopeless.
 
-Predicted TTFT = seconds per prefill token (learned online per worker from streamed
-first tokens) x (the worker's queued prefill tokens + this request's uncached tokens).
-When no candidate can meet the request's objective, the request waits briefly for
-the fleet to drain, then is rejected with 429 and Retry-After — Mooncake's early
-rejection: better a fast "no" than a slow miss that also delays everyone behind it.
-Priority "high" is never rejected; "low" must fit in half the objective.
+Predicted TTFT = the worker's fixed overhead + seconds per prefill token x (its queued
+prefill tokens + this request's uncached tokens). The rate starts from a configured
+prior, can be calibrated at start-up (a short and a long canary per worker give the
+overhead and the slope) and is then learned from every answer:
+
+- a streamed answer's first chunk is its first token;
+- a non-streamed answer's first byte is the whole answer (generation included), so it
+  teaches a rate of its own, used to predict other non-streamed requests;
+- the engine's own TTFT histogram (``vllm:time_to_first_token_seconds``, SGLang's of
+  the same name), scraped with its load, gives the mean engine-side TTFT of the
+  requests answered between two scrapes, streamed or not.
+
+When the best candidate's prediction exceeds the objective by more than a margin the
+request is rejected at once with 429 and Retry-After (Mooncake's early rejection: a
+fast "no" beats a slow miss that also delays everyone behind it); when it is over but
+within the margin, the request waits briefly for the fleet to drain. Priority "high"
+is never rejected; "low" must fit in half the objective.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
+import os
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import aiohttp
+import orjson
+
 from router.errors import RouterError
+from router.request import parse
 from router.scheduler.framework import Context
 
 if TYPE_CHECKING:
+    from prometheus_client import Histogram
+
+    from balancer.view import FleetView
     from balancer.worker import Worker
     from router.metrics import RouterMetrics
+
+log = logging.getLogger("switchyard.router.admission")
 
 _EWMA = 0.2
 _POLL_S = 0.01
 PRIORITIES = ("high", "normal", "low")
+STREAM, WHOLE = "stream", "whole"
+# Calibration canaries: prompt sizes (words of random hex, about one token each).
+SHORT_CANARY_WORDS = 16
+LONG_CANARY_WORDS = 1024
+
+
+@dataclass(slots=True)
+class Expected:
+    """The model's prediction for one dispatch; its actual first byte is compared and learned."""
+
+    model: TTFTModel
+    worker_id: str
+    work_tokens: float
+    predicted_s: float
+    kind: str
+
+    def observe(self, actual_s: float) -> None:
+        self.model.observe(self, actual_s)
 
 
 class TTFTModel:
-    """Seconds per prefill token, per worker, learned from observed first tokens.
-
-    A worker not yet observed borrows the fleet-wide rate (same hardware, same model).
+    """Seconds per prefill token per worker and kind (stream: first token; whole: whole
+    answer), learned from observed first bytes. A worker not yet observed borrows the
+    fleet-wide rate of its kind (same hardware, same model); "whole" falls back to
+    "stream" (an answer takes at least as long as its first token), and that to the prior.
     """
 
-    def __init__(self) -> None:
-        self.rate: dict[str, float] = {}
-        self.fleet_rate: float | None = None
+    def __init__(self, prior_tokens_per_s: float, ratio: Histogram | None = None) -> None:
+        self.prior_s_per_token = 1.0 / prior_tokens_per_s
+        self.rate: dict[tuple[str, str], float] = {}
+        self.fleet_rate: dict[str, float] = {}
+        self.overhead_s: dict[str, float] = {}
+        self._ratio = ratio
+        # Engine TTFT histogram (sum, count) last seen, and the work of the requests
+        # answered since, per worker.
+        self._engine_seen: dict[str, tuple[float, float]] = {}
+        self._answered: dict[str, tuple[float, int]] = {}
 
-    def observe(self, worker_id: str, ttft_s: float, work_tokens: float) -> None:
-        if work_tokens <= 0 or ttft_s <= 0:
+    def learn(self, worker_id: str, kind: str, s_per_token: float) -> None:
+        if s_per_token <= 0 or not math.isfinite(s_per_token):
             return
-        sample = ttft_s / work_tokens
-        old = self.rate.get(worker_id)
-        self.rate[worker_id] = sample if old is None else old + _EWMA * (sample - old)
-        fleet = self.fleet_rate
-        self.fleet_rate = sample if fleet is None else fleet + _EWMA * (sample - fleet)
+        old = self.rate.get((worker_id, kind))
+        self.rate[worker_id, kind] = (
+            s_per_token if old is None else old + _EWMA * (s_per_token - old)
+        )
+        fleet = self.fleet_rate.get(kind)
+        self.fleet_rate[kind] = (
+            s_per_token if fleet is None else fleet + _EWMA * (s_per_token - fleet)
+        )
+
+    def s_per_token(self, worker_id: str, kind: str) -> float:
+        found = self.rate.get((worker_id, kind)) or self.fleet_rate.get(kind)
+        if found is not None:
+            return found
+        if kind == WHOLE:
+            return self.s_per_token(worker_id, STREAM)
+        return self.prior_s_per_token
 
     def work_tokens(self, ctx: Context, worker: Worker) -> float:
         uncached = max(ctx.prompt_tokens - ctx.matched.get(worker.id, 0.0), 1.0)
         return uncached + worker.load().prefill_tokens
 
-    def predict(self, ctx: Context, worker: Worker) -> float | None:
-        rate = self.rate.get(worker.id, self.fleet_rate)
-        if rate is None:
-            return None
-        return rate * self.work_tokens(ctx, worker)
+    def predict(self, ctx: Context, worker: Worker, stream: bool = True) -> float:
+        return self.expect(ctx, worker, stream).predicted_s
+
+    def expect(self, ctx: Context, worker: Worker, stream: bool) -> Expected:
+        """The prediction for sending ``ctx`` to ``worker`` now, to be observed later."""
+        self.absorb_engine(worker)
+        kind = STREAM if stream else WHOLE
+        work = self.work_tokens(ctx, worker)
+        predicted = self.overhead_s.get(worker.id, 0.0) + self.s_per_token(worker.id, kind) * work
+        return Expected(self, worker.id, work, predicted, kind)
+
+    def observe(self, expected: Expected, actual_s: float) -> None:
+        if actual_s <= 0 or expected.work_tokens <= 0:
+            return
+        if self._ratio is not None and expected.predicted_s > 0:
+            self._ratio.labels(expected.kind).observe(actual_s / expected.predicted_s)
+        overhead = self.overhead_s.get(expected.worker_id, 0.0)
+        self.learn(
+            expected.worker_id,
+            expected.kind,
+            max(actual_s - overhead, 0.0) / expected.work_tokens,
+        )
+        work, n = self._answered.get(expected.worker_id, (0.0, 0))
+        self._answered[expected.worker_id] = (work + expected.work_tokens, n + 1)
+
+    def absorb_engine(self, worker: Worker) -> None:
+        """Learn the first-token rate from the engine's TTFT histogram since the last scrape."""
+        sample = worker.engine
+        if sample is None or sample.ttft_count is None or sample.ttft_sum is None:
+            return
+        now = (sample.ttft_sum, sample.ttft_count)
+        before = self._engine_seen.get(worker.id)
+        if before == now:
+            return
+        self._engine_seen[worker.id] = now
+        work, n = self._answered.pop(worker.id, (0.0, 0))
+        if before is None or now[1] <= before[1] or n == 0 or work <= 0:
+            return  # first sight, an engine restart, or nothing of ours to pair it with
+        mean_ttft = (now[0] - before[0]) / (now[1] - before[1])
+        self.learn(worker.id, STREAM, mean_ttft / (work / n))
+
+    def calibrated(
+        self, worker_id: str, short: tuple[float, float], long: tuple[float, float]
+    ) -> None:
+        """Take two canaries' (tokens, seconds): the line through them is overhead + slope."""
+        (n_short, t_short), (n_long, t_long) = short, long
+        slope = (t_long - t_short) / (n_long - n_short) if n_long > n_short else 0.0
+        if slope <= 0:
+            slope, overhead = t_long / max(n_long, 1.0), 0.0
+        else:
+            overhead = max(t_short - slope * n_short, 0.0)
+        self.overhead_s[worker_id] = overhead
+        self.learn(worker_id, STREAM, slope)
 
 
 class Admission:
@@ -64,11 +173,29 @@ class Admission:
         *,
         default_slo_ms: float | None,
         max_wait_ms: float,
+        margin_ratio: float = 0.25,
+        calibrate: bool = False,
     ) -> None:
         self.model = model
         self.default_slo_ms = default_slo_ms
         self.max_wait_s = max_wait_ms / 1000.0
+        self.margin_ratio = margin_ratio
         self.decisions = metrics.admission
+        self.calibrate = calibrate
+        self._calibration: asyncio.Task[None] | None = None
+
+    def start(self, fleet: FleetView, session: aiohttp.ClientSession) -> None:
+        """Calibrate the workers in the background when configured (start-up is not held)."""
+        if self.calibrate:
+            self._calibration = asyncio.get_running_loop().create_task(
+                calibrate(self.model, fleet, session), name="admission:calibrate"
+            )
+
+    async def stop(self) -> None:
+        if self._calibration is not None:
+            self._calibration.cancel()
+            await asyncio.gather(self._calibration, return_exceptions=True)
+            self._calibration = None
 
     def objective_s(self, ctx: Context, header_ms: str | None) -> float | None:
         slo_ms = self.default_slo_ms
@@ -83,30 +210,32 @@ class Admission:
             return None
         return slo_ms / 1000.0 * (0.5 if ctx.priority == "low" else 1.0)
 
-    def feasible(self, ctx: Context, workers: list[Worker], objective_s: float) -> bool:
-        for w in workers:
-            predicted = self.model.predict(ctx, w)
-            if predicted is None or predicted <= objective_s:
-                return True
-        return False
+    def best(self, ctx: Context, workers: list[Worker], stream: bool) -> float:
+        return min(self.model.predict(ctx, w, stream) for w in workers)
 
-    async def admit(self, ctx: Context, workers: list[Worker], objective_s: float) -> None:
-        """Return when some candidate can meet the objective; raise 429 otherwise."""
-        if self.feasible(ctx, workers, objective_s):
+    async def admit(
+        self, ctx: Context, workers: list[Worker], objective_s: float, stream: bool = True
+    ) -> None:
+        """Return when some candidate can meet the objective; raise 429 otherwise.
+
+        Over the objective by more than the margin: reject at once. Within it: wait up to
+        the longest admission wait for the fleet to drain, rejecting as soon as it is not.
+        """
+        best = self.best(ctx, workers, stream)
+        if best <= objective_s:
             self.decisions.labels("admitted", ctx.priority).inc()
             return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.max_wait_s
-        while loop.time() < deadline:
-            await asyncio.sleep(_POLL_S)
-            if self.feasible(ctx, workers, objective_s):
-                self.decisions.labels("admitted_after_wait", ctx.priority).inc()
-                return
+        line = objective_s * (1.0 + self.margin_ratio)
+        if best <= line and self.max_wait_s > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.max_wait_s
+            while best <= line and loop.time() < deadline:
+                await asyncio.sleep(_POLL_S)
+                best = self.best(ctx, workers, stream)
+                if best <= objective_s:
+                    self.decisions.labels("admitted_after_wait", ctx.priority).inc()
+                    return
         self.decisions.labels("rejected", ctx.priority).inc()
-        best = min(
-            (p for p in (self.model.predict(ctx, w) for w in workers) if p is not None),
-            default=0.0,
-        )
         retry = max(1, math.ceil(best - objective_s))
         raise RouterError(
             429,
@@ -115,3 +244,60 @@ class Admission:
             code="slo_unattainable",
             headers={"retry-after": str(retry)},
         )
+
+
+async def calibrate(
+    model: TTFTModel,
+    fleet: FleetView,
+    session: aiohttp.ClientSession,
+    *,
+    wait_s: float = 30.0,
+    timeout_s: float = 60.0,
+) -> None:
+    """One short and one long non-streamed canary (one output token) per worker, once each
+    is healthy and serves a model; workers not ready within ``wait_s`` keep the prior."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    pending = {w.id for w in fleet.workers()}
+    while pending and loop.time() < deadline:
+        for worker in fleet.workers():
+            if worker.id in pending and worker.healthy and worker.models:
+                pending.discard(worker.id)
+                try:
+                    short = await _canary(session, worker, SHORT_CANARY_WORDS, timeout_s)
+                    long = await _canary(session, worker, LONG_CANARY_WORDS, timeout_s)
+                except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                    log.warning("TTFT calibration of %s failed: %s", worker.id, exc)
+                    continue
+                model.calibrated(worker.id, short, long)
+                log.info(
+                    "TTFT calibration of %s: %.1f ms overhead, %.0f prefill tokens/s",
+                    worker.id,
+                    model.overhead_s[worker.id] * 1e3,
+                    1.0 / model.s_per_token(worker.id, STREAM),
+                )
+        await asyncio.sleep(0.1)
+    for worker_id in pending:
+        log.warning("TTFT calibration: %s was not ready in %.0f s; prior kept", worker_id, wait_s)
+
+
+async def _canary(
+    session: aiohttp.ClientSession, worker: Worker, words: int, timeout_s: float
+) -> tuple[float, float]:
+    """(estimated prompt tokens, seconds to the answer) of one uncached one-token completion."""
+    prompt = " ".join(os.urandom(2).hex() for _ in range(words))
+    body = orjson.dumps(
+        {"model": sorted(worker.models)[0], "prompt": prompt, "max_tokens": 1, "stream": False}
+    )
+    tokens = float(parse("/v1/completions", body, None).prompt_tokens_estimate)
+    began = time.perf_counter()
+    async with session.post(
+        worker.url + "/v1/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise ValueError(f"canary answered {resp.status}")
+    return tokens, time.perf_counter() - began

@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 _SCHEDULE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
 
 
@@ -86,6 +87,14 @@ class RouterMetrics(LabelCache):
             "switchyard_router_admission",
             "SLO admission outcomes: admitted, admitted_after_wait, rejected.",
             ["outcome", "priority"],
+            registry=r,
+        )
+        self.ttft_prediction = Histogram(
+            "switchyard_router_ttft_prediction_ratio",
+            "Actual over predicted time to first byte of the chosen worker, by kind (stream: "
+            "first token; whole: a non-streamed answer). 1 is a perfect prediction.",
+            ["kind"],
+            buckets=_RATIO_BUCKETS,
             registry=r,
         )
 

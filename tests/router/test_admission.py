@@ -1,59 +1,200 @@
-"""TTFT prediction and SLO admission decisions."""
+"""TTFT prediction (prior, learned rates, engine histograms, calibration) and SLO admission."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
-from router.admission import Admission, TTFTModel
+import aiohttp
+import pytest
+from aiohttp import web
+
+from balancer.worker import EngineSample
+from router.admission import STREAM, WHOLE, Admission, TTFTModel, calibrate
 from router.errors import RouterError
 from router.metrics import RouterMetrics
 from router.scheduler.framework import Context
 from tests.router.test_kv_scheduling import FakeLoad, FakeWorker
+from tests.support import free_port
 
 
-def trained(rate_s_per_token: float = 1e-3) -> TTFTModel:
-    model = TTFTModel()
-    model.observe("a", rate_s_per_token * 1000, 1000)
+@dataclass
+class Worker(FakeWorker):
+    engine: EngineSample | None = None
+    url: str = ""
+    healthy: bool = True
+    models: set[str] = field(default_factory=lambda: {"m"})
+
+
+def trained(rate_s_per_token: float = 1e-3, prior_tokens_per_s: float = 1e6) -> TTFTModel:
+    model = TTFTModel(prior_tokens_per_s)
+    model.learn("a", STREAM, rate_s_per_token)
     return model
+
+
+def test_prior_predicts_before_any_answer() -> None:
+    model = TTFTModel(prior_tokens_per_s=1000)
+    ctx = Context(model="m", prompt_tokens=500)
+    assert model.predict(ctx, Worker("a")) == pytest.approx(0.5)
 
 
 def test_prediction_grows_with_queued_prefill() -> None:
     model = trained()
-    idle = FakeWorker("a")
-    queued = FakeWorker("a", state=FakeLoad(prefill_tokens=4000))
+    idle = Worker("a")
+    queued = Worker("a", state=FakeLoad(prefill_tokens=4000))
     ctx = Context(model="m", prompt_tokens=1000)
-    assert model.predict(ctx, queued) > 4 * model.predict(ctx, idle)  # type: ignore[operator]
+    assert model.predict(ctx, queued) > 4 * model.predict(ctx, idle)
 
 
 def test_unobserved_worker_borrows_the_fleet_rate() -> None:
     model = trained()
     ctx = Context(model="m", prompt_tokens=1000)
-    assert model.predict(ctx, FakeWorker("b")) == pytest.approx(1.0, rel=0.01)
+    assert model.predict(ctx, Worker("b")) == pytest.approx(1.0, rel=0.01)
 
 
-def test_no_observation_means_no_prediction() -> None:
-    assert TTFTModel().predict(Context(model="m", prompt_tokens=10), FakeWorker("a")) is None
+def test_non_streamed_answers_teach_their_own_rate() -> None:
+    model = trained(1e-3)
+    ctx = Context(model="m", prompt_tokens=1000)
+    model.expect(ctx, Worker("a"), stream=False).observe(5.0)
+    assert model.predict(ctx, Worker("a"), stream=False) > 2.0
+    assert model.predict(ctx, Worker("a"), stream=True) == pytest.approx(1.0, rel=0.01)
+
+
+def test_non_streamed_prediction_falls_back_to_the_first_token_rate() -> None:
+    model = trained(1e-3)
+    ctx = Context(model="m", prompt_tokens=1000)
+    assert model.predict(ctx, Worker("a"), stream=False) == pytest.approx(1.0, rel=0.01)
+
+
+def test_observation_is_reported_as_actual_over_predicted() -> None:
+    metrics = RouterMetrics()
+    model = TTFTModel(1000, metrics.ttft_prediction)
+    model.expect(Context(model="m", prompt_tokens=1000), Worker("a"), stream=True).observe(2.0)
+    child = metrics.ttft_prediction.labels(STREAM)
+    assert child._sum.get() == pytest.approx(2.0)
+
+
+def test_engine_ttft_histogram_teaches_the_first_token_rate() -> None:
+    model = TTFTModel(prior_tokens_per_s=1e6)
+    worker = Worker("a", engine=EngineSample(0, 0, None, ttft_sum=10.0, ttft_count=5))
+    ctx = Context(model="m", prompt_tokens=100)
+    model.expect(ctx, worker, stream=False)  # first sight of the histogram: a baseline
+    for _ in range(4):
+        model.expect(ctx, worker, stream=False).observe(30.0)
+    # Four more first tokens, 2 s each on the engine, for requests of 100 tokens of work.
+    worker.engine = EngineSample(0, 0, None, ttft_sum=18.0, ttft_count=9)
+    assert model.predict(ctx, worker, stream=True) == pytest.approx(2.0, rel=0.01)
+
+
+def test_engine_restart_rebaselines_without_learning() -> None:
+    model = TTFTModel(prior_tokens_per_s=1000)
+    worker = Worker("a", engine=EngineSample(0, 0, None, ttft_sum=10.0, ttft_count=5))
+    ctx = Context(model="m", prompt_tokens=100)
+    model.expect(ctx, worker, stream=False)
+    model.expect(ctx, worker, stream=False).observe(0.5)
+    worker.engine = EngineSample(0, 0, None, ttft_sum=3.0, ttft_count=1)
+    assert model.predict(ctx, worker, stream=True) == pytest.approx(0.1)
+
+
+def test_calibration_fits_overhead_and_slope() -> None:
+    model = TTFTModel(prior_tokens_per_s=1e6)
+    model.calibrated("a", (20, 0.05 + 20e-3), (1020, 0.05 + 1020e-3))
+    assert model.overhead_s["a"] == pytest.approx(0.05)
+    ctx = Context(model="m", prompt_tokens=500)
+    assert model.predict(ctx, Worker("a")) == pytest.approx(0.05 + 0.5, rel=0.01)
+
+
+@pytest.fixture
+async def slow_engine() -> AsyncIterator[str]:
+    """Answers a completion after 10 ms plus 1 ms per 100 prompt characters."""
+
+    async def completion(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(0.01 + len(body["prompt"]) / 100 * 1e-3)
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+class OneWorkerFleet:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def workers(self) -> list[Worker]:
+        return [self.worker]
+
+
+async def test_startup_calibration_learns_a_worker_s_rate(slow_engine: str) -> None:
+    model = TTFTModel(prior_tokens_per_s=1e9)
+    fleet = OneWorkerFleet(Worker("a", url=slow_engine))
+    async with aiohttp.ClientSession() as session:
+        await calibrate(model, fleet, session, wait_s=5)  # type: ignore[arg-type]
+    # 5 characters a word, 4 characters a token: 1 ms per 100 characters is 40 us a token.
+    assert model.s_per_token("a", STREAM) == pytest.approx(40e-6, rel=0.5)
+    assert model.s_per_token("a", WHOLE) == model.s_per_token("a", STREAM)
+
+
+def admission(model: TTFTModel, max_wait_ms: float = 10, margin: float = 0.25) -> Admission:
+    return Admission(
+        model, RouterMetrics(), default_slo_ms=None, max_wait_ms=max_wait_ms, margin_ratio=margin
+    )
 
 
 async def test_admits_when_one_candidate_meets_the_objective() -> None:
-    admission = Admission(trained(), RouterMetrics(), default_slo_ms=None, max_wait_ms=10)
+    adm = admission(trained())
     ctx = Context(model="m", prompt_tokens=100)
-    busy = FakeWorker("a", state=FakeLoad(prefill_tokens=100_000))
-    await admission.admit(ctx, [busy, FakeWorker("b")], objective_s=0.5)
-    assert admission.decisions.labels("admitted", "normal")._value.get() == 1
+    busy = Worker("a", state=FakeLoad(prefill_tokens=100_000))
+    await adm.admit(ctx, [busy, Worker("b")], objective_s=0.5)
+    assert adm.decisions.labels("admitted", "normal")._value.get() == 1
 
 
-async def test_rejects_with_429_when_none_can() -> None:
-    admission = Admission(trained(), RouterMetrics(), default_slo_ms=None, max_wait_ms=10)
+async def test_rejects_at_once_far_beyond_the_objective() -> None:
+    adm = admission(trained(), max_wait_ms=2000)
     ctx = Context(model="m", prompt_tokens=10_000)
+    began = time.perf_counter()
     with pytest.raises(RouterError) as err:
-        await admission.admit(ctx, [FakeWorker("a")], objective_s=0.5)
-    assert err.value.status == 429 and "retry-after" in err.value.headers
+        await adm.admit(ctx, [Worker("a")], objective_s=0.5)
+    assert time.perf_counter() - began < 0.1
+    assert err.value.status == 429 and err.value.code == "slo_unattainable"
+    assert err.value.headers["retry-after"] == "10"
+
+
+async def test_waits_near_the_line_and_admits_once_the_queue_drains() -> None:
+    adm = admission(trained(), max_wait_ms=2000)
+    load = FakeLoad(prefill_tokens=100)
+    ctx = Context(model="m", prompt_tokens=500)  # 0.6 s predicted against 0.5 s
+
+    async def drain() -> None:
+        await asyncio.sleep(0.05)
+        load.prefill_tokens = 0
+
+    drainer = asyncio.create_task(drain())
+    await adm.admit(ctx, [Worker("a", state=load)], objective_s=0.5)
+    await drainer
+    assert adm.decisions.labels("admitted_after_wait", "normal")._value.get() == 1
+
+
+async def test_near_the_line_without_draining_rejects_after_the_wait() -> None:
+    adm = admission(trained(), max_wait_ms=50)
+    ctx = Context(model="m", prompt_tokens=550)
+    began = time.perf_counter()
+    with pytest.raises(RouterError):
+        await adm.admit(ctx, [Worker("a")], objective_s=0.5)
+    assert time.perf_counter() - began >= 0.05
 
 
 def test_objective_by_priority() -> None:
-    admission = Admission(TTFTModel(), RouterMetrics(), default_slo_ms=1000, max_wait_ms=10)
-    assert admission.objective_s(Context(model="m"), None) == 1.0
-    assert admission.objective_s(Context(model="m", priority="low"), None) == 0.5
-    assert admission.objective_s(Context(model="m", priority="high"), "5") is None
-    assert admission.objective_s(Context(model="m"), "250") == 0.25
+    adm = Admission(TTFTModel(1000), RouterMetrics(), default_slo_ms=1000, max_wait_ms=10)
+    assert adm.objective_s(Context(model="m"), None) == 1.0
+    assert adm.objective_s(Context(model="m", priority="low"), None) == 0.5
+    assert adm.objective_s(Context(model="m", priority="high"), "5") is None
+    assert adm.objective_s(Context(model="m"), "250") == 0.25
