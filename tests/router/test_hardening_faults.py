@@ -1,0 +1,125 @@
+"""Engines that break mid-answer or hang: clean upstream errors, answers from elsewhere."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import orjson
+import pytest
+
+from balancer.settings import BalancerSettings
+from balancer.worker import Worker, WorkerSpec
+from router.admission import Expected, TTFTModel
+from router.forward import FirstByteDeadlines
+from router.request import COMPLETIONS, RoutedRequest, parse
+from router.scheduler.framework import Context
+from tests.router.conftest import StartRouter
+from tests.router.stub_backend import StubBackend
+from tests.router.test_router_errors import assert_openai_error
+from tests.support import metric
+
+pytestmark = pytest.mark.timeout(120)
+
+BODY = {"model": "stub-model", "prompt": "hi", "max_tokens": 8}
+ONE_TRY = {"router": {"max_attempts": 1}}
+
+
+def test_stream_cut_midway_ends_with_an_upstream_error_event(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    stub.state.chunk_interval_s = 0.001
+    stub.state.cut_after_chunks = 3
+    router = start_router(stub.url, config=ONE_TRY).url
+    resp = httpx.post(router + "/v1/completions", json={**BODY, "stream": True})
+    assert resp.status_code == 200
+    events = [e for e in resp.content.split(b"\n\n") if e]
+    assert events[:3] == [b'data: {"i": %d}' % i for i in range(3)]
+    assert events[-1].startswith(b"data: ")
+    error = orjson.loads(events[-1][len(b"data: ") :])["error"]
+    assert error["type"] == "server_error"
+    assert error["code"] == "upstream_error"
+    assert "Internal router error" not in resp.text
+
+
+def test_answer_cut_before_any_byte_was_sent_is_a_502(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    stub.state.cut_after_chunks = 0
+    router = start_router(stub.url, config=ONE_TRY).url
+    error = assert_openai_error(httpx.post(router + "/v1/completions", json=BODY), 502)
+    assert error["code"] == "upstream_error"
+
+
+def test_answer_cut_before_any_byte_was_sent_is_retried_elsewhere(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    stub.state.cut_after_chunks = 0
+    router = start_router(stub.url, stub2.url, args=("--policy", "round_robin")).url
+    statuses = [httpx.post(router + "/v1/completions", json=BODY).status_code for _ in range(4)]
+    assert statuses == [200] * 4
+
+
+def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    """A hung engine (accepts, never answers, /health passes) in a two-engine fleet:
+    every request is answered within 20 s, and the engine stops getting traffic."""
+    stub.state.hang = True
+    stub2.state.chunk_interval_s = 0.001
+    router = start_router(stub.url, stub2.url, args=("--policy", "round_robin")).url
+
+    def one(i: int) -> tuple[int, float]:
+        began = time.monotonic()
+        body = {**BODY, "stream": i % 2 == 0}
+        if i % 2 == 0:
+            with httpx.stream("POST", router + "/v1/completions", json=body, timeout=60) as r:
+                for _ in r.iter_raw():
+                    break
+                return r.status_code, time.monotonic() - began
+        r = httpx.post(router + "/v1/completions", json=body, timeout=60)
+        return r.status_code, time.monotonic() - began
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert [status for status, _ in results] == [200] * 16
+    assert max(seconds for _, seconds in results) < 20
+    assert httpx.get(stub.url + "/health").status_code == 200
+    metrics = httpx.get(router + "/metrics").text
+    assert metric(metrics, "switchyard_router_worker_routable", worker=stub.url) == 0.0
+
+
+def _expected(predicted_s: float) -> Expected:
+    model = TTFTModel(10_000.0)
+    worker = Worker(WorkerSpec(url="http://127.0.0.1:1"), BalancerSettings())
+    expected = model.expect(Context(model="m", prompt_tokens=4), worker, True)
+    expected.predicted_s = predicted_s
+    return expected
+
+
+DEADLINES = FirstByteDeadlines(base_s=5.0, slack=4.0, output_token_allowance_s=0.25)
+
+
+def _req(**fields: object) -> RoutedRequest:
+    return parse(COMPLETIONS, orjson.dumps({"model": "m", "prompt": "hi", **fields}), None)
+
+
+def test_first_byte_deadline_grows_with_the_predicted_prefill() -> None:
+    short = DEADLINES.of(_req(stream=True), _expected(0.1), 600.0)
+    long = DEADLINES.of(_req(stream=True), _expected(30.0), 600.0)
+    assert short == pytest.approx(5.4)
+    assert long == pytest.approx(125.0)
+
+
+def test_first_byte_deadline_never_exceeds_the_cap() -> None:
+    assert DEADLINES.of(_req(stream=True), _expected(1000.0), 600.0) == 600.0
+
+
+def test_non_streamed_answer_adds_its_output_allowance() -> None:
+    deadline = DEADLINES.of(_req(max_tokens=100), _expected(0.1), 600.0)
+    assert deadline == pytest.approx(5.4 + 25.0)
+
+
+def test_non_streamed_answer_without_max_tokens_waits_for_the_cap() -> None:
+    assert DEADLINES.of(_req(), _expected(0.1), 600.0) is None
