@@ -14,6 +14,7 @@ from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
+ADMIN = {"authorization": "Bearer adm"}  # the admin API and, with an admin key, /metrics
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 120
 
 
@@ -116,16 +117,16 @@ def test_without_kv_flags_events_are_discovered_and_parity_is_verified(
         cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
         time.sleep(0.1)
     assert len(set(served)) == 1 and all(c > 1000 for c in cached[1:])
-    text = httpx.get(router + "/metrics").text
+    text = httpx.get(router + "/metrics", headers=ADMIN).text
     assert metric(text, "switchyard_router_kv_estimating") == 0
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        text = httpx.get(router + "/metrics").text
+        text = httpx.get(router + "/metrics", headers=ADMIN).text
         if len(values(text, "switchyard_router_kv_parity")) == len(engines):
             break
         time.sleep(0.2)
     assert values(text, "switchyard_router_kv_parity") == [1.0] * len(engines)
-    admin = httpx.get(router + "/admin/workers", headers={"authorization": "Bearer adm"})
+    admin = httpx.get(router + "/admin/workers", headers=ADMIN)
     assert {w["kv_parity"]["reason"] for w in admin.json()["workers"]} == {"verified"}
 
 
