@@ -139,6 +139,7 @@ class RouterApp:
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
         )
         self._routes = {route: route for route in DATA_ROUTES}
+        self.draining = False  # shutting down: /ready answers 503 while requests finish
         self.control = build_control_app(self)
 
     async def start(self) -> None:

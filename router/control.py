@@ -148,6 +148,12 @@ def build_control_app(router: RouterApp) -> FastAPI:
     @app.get("/ready", summary="At least one worker is routable")
     async def ready() -> JSONResponse:
         routable = len(router.fleet.candidates(None))
+        if router.draining:
+            return JSONResponse(
+                status_code=503,
+                content={"status": "shutting_down", "routable_workers": routable},
+                headers={"retry-after": str(router.settings.retry_after_s)},
+            )
         if routable == 0:
             return JSONResponse(
                 status_code=503,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import gc
 import logging
 import os
@@ -9,6 +11,7 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -23,6 +26,7 @@ from kvstore.remote import RemoteKVStore
 from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from router.app import RouterApp
+from router.connections import BoundedHttpToolsProtocol, ConnectionLimits
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
 
@@ -159,7 +163,35 @@ def run(settings: RouterSettings, config_file: str | Path | None = None) -> None
         return
     app = build_app(settings, config_file)
     _tune_gc()
-    uvicorn.run(app, **_uvicorn_options(settings))
+    server = DrainingServer(uvicorn.Config(app, **_uvicorn_options(settings)), app)
+    server.run()
+    if not server.started:
+        sys.exit(1)
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``shutdown_drain_s`` the
+    listener closes and in-flight requests get ``shutdown_timeout_s`` to finish (uvicorn's
+    graceful shutdown), then are cancelled and the process exits."""
+
+    def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        drain_s = self.app.settings.shutdown_drain_s
+        if self.app.draining or drain_s <= 0:
+            self.app.draining = True
+            super().handle_exit(sig, frame)
+            return
+        self.app.draining = True
+        try:
+            loop = asyncio.get_running_loop()  # the signal interrupted the server's loop
+        except RuntimeError:
+            super().handle_exit(sig, frame)
+            return
+        stop = functools.partial(uvicorn.Server.handle_exit, self, sig, None)
+        loop.call_soon_threadsafe(loop.call_later, drain_s, stop)
 
 
 def _run_processes(settings: RouterSettings, config_file: str | Path | None) -> None:
@@ -209,11 +241,20 @@ def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
         "host": settings.host,
         "port": settings.port,
         "loop": "uvloop",
-        "http": "httptools",
         "lifespan": "on",
         "access_log": False,
         "log_level": settings.log_level,
-        "timeout_keep_alive": 30,
+        "timeout_keep_alive": settings.keep_alive_timeout_s,
+        "timeout_graceful_shutdown": settings.shutdown_timeout_s,
+        # Not uvicorn's limit_concurrency: its 503 is plain text and leaves idle connections.
+        "http": functools.partial(
+            BoundedHttpToolsProtocol,
+            limits=ConnectionLimits(
+                header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
+                max_connections=settings.max_client_connections,
+            ),
+        ),
         "server_header": False,
         "date_header": False,
     }

@@ -76,6 +76,39 @@ class RouterSettings(ServiceSettings):
     idle_timeout_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
 
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a client's request head must arrive within this (408 and close beyond)",
+    )
+    body_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a client's request body must arrive within this after its head "
+        "(connection closed beyond)",
+    )
+    keep_alive_timeout_s: float = Field(
+        default=30.0, gt=0, description="close a client connection idle this long after an answer"
+    )
+    max_client_connections: int = Field(
+        default=2048,
+        ge=0,
+        description="open client connections per router process; beyond, 503 "
+        "too_many_connections (0: unbounded)",
+    )
+    shutdown_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, in-flight requests get this long to finish before they "
+        "are cancelled",
+    )
+    shutdown_drain_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="on SIGTERM, /ready answers 503 this long before the listener closes "
+        "(for load balancers to notice)",
+    )
+
     max_attempts: int = Field(default=3, ge=1, description="tries per request over workers")
     retry_backoff_s: float = Field(default=0.02, ge=0, description="first retry backoff")
     retry_backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")

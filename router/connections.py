@@ -1,0 +1,127 @@
+"""Client connections bounded in time and number, on top of uvicorn's httptools protocol.
+
+uvicorn closes a connection idle after a response (``timeout_keep_alive``) and can
+refuse over a concurrency limit with a plain-text 503, but it has no deadline for a
+request's head or body: a client that connects and sends nothing, or trickles its
+headers, holds a file descriptor for ever. This protocol adds both deadlines and a
+connection cap answered in the OpenAI error shape:
+
+- the request head must be complete within ``header_timeout_s`` of the connection
+  opening (or of the request's first byte on a kept-alive connection), else 408 and close;
+- the body must be complete within ``body_timeout_s`` of the head, else the
+  connection is closed (the router sees the client gone and aborts the request);
+- beyond ``max_connections`` open connections, each request is answered 503
+  (``too_many_connections``) and its connection closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from switchyard.errors import error_body
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_connections: int  # 0: unbounded
+
+
+def _raw_error(status: int, reason: bytes, message: str, code: str) -> bytes:
+    body = error_body(status, message, code=code)
+    return b"".join(
+        (
+            b"HTTP/1.1 %d %s\r\n" % (status, reason),
+            b"content-type: application/json\r\n",
+            b"content-length: %d\r\n" % len(body),
+            b"x-switchyard-worker: none\r\n",
+            b"connection: close\r\n\r\n",
+            body,
+        )
+    )
+
+
+async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
+    body = error_body(
+        503, "The router has too many open connections; retry later", code="too_many_connections"
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"x-switchyard-worker", b"none"),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with head/body deadlines and a connection cap."""
+
+    def __init__(self, *args: Any, limits: ConnectionLimits, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = limits
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def _arm(self, seconds: float, expired: Any) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, self._head_too_slow)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._deadline is None:
+            self._arm(self.limits.header_timeout_s, self._head_too_slow)
+
+    def on_headers_complete(self) -> None:
+        self._arm(self.limits.body_timeout_s, self._body_too_slow)
+        cap = self.limits.max_connections
+        if not cap or len(self.connections) <= cap:
+            super().on_headers_complete()
+            return
+        app = self.app
+        self.app = _over_capacity
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def _head_too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.write(
+                _raw_error(
+                    408,
+                    b"Request Timeout",
+                    f"The request head did not arrive within {self.limits.header_timeout_s:g} s",
+                    "request_timeout",
+                )
+            )
+            self.transport.close()
+
+    def _body_too_slow(self) -> None:
+        self._deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
