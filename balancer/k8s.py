@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from balancer.worker import WorkerSpec
+from balancer.worker import Role, WorkerSpec
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -40,7 +40,7 @@ def pod_ready(pod: dict[str, Any]) -> bool:
         return False
     for condition in status.get("conditions") or []:
         if condition.get("type") == "Ready":
-            return condition.get("status") == "True"
+            return bool(condition.get("status") == "True")
     return True
 
 
@@ -63,7 +63,7 @@ def pod_spec(pod: dict[str, Any], default_port: int) -> WorkerSpec:
     return WorkerSpec(
         url=f"http://{host}:{port}",
         models=[m for m in (models or "").split(",") if m],
-        role=_meta(pod, "role") or "unified",
+        role=Role(_meta(pod, "role") or "unified"),
         flavor=_meta(pod, "flavor"),
         dp_size=int(_meta(pod, "dp-size") or 1),
         dp_mode=_meta(pod, "dp-mode") or "header",
@@ -110,9 +110,9 @@ class KubernetesSource:
             configuration.host = s.kubernetes_host
             return client.CoreV1Api(client.ApiClient(configuration))
         try:
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
         except config.ConfigException:
-            config.load_kube_config()
+            config.load_kube_config()  # type: ignore[no-untyped-call]
         return client.CoreV1Api()
 
     def _run(self) -> None:
@@ -131,7 +131,7 @@ class KubernetesSource:
                 )
                 listing = json.loads(resp.data)
                 self._post(self._apply_list, listing.get("items") or [])
-                self._watch = watch.Watch()
+                self._watch = watch.Watch()  # type: ignore[no-untyped-call]
                 for event in self._watch.stream(
                     api.list_namespaced_pod,
                     s.kubernetes_namespace,

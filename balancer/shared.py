@@ -84,7 +84,7 @@ class RedisShare:
             for raw in (await self.redis.hgetall(self.registry_key)).values():
                 self._apply({"op": "add", "spec": orjson.loads(raw), "origin": ""})
         except BaseException:
-            await pubsub.aclose()
+            await pubsub.aclose()  # type: ignore[no-untyped-call]
             raise
         return pubsub
 
