@@ -258,11 +258,16 @@ class RouterApp:
         except _ClientGone:
             status = 499
         except asyncio.CancelledError:
-            if not response.client_gone or task is None:
+            if task is None or not (response.client_gone or self.draining):
                 raise
             task.uncancel()
-            status = 499
-            self.metrics.client_disconnects.inc()
+            if response.client_gone:
+                status = 499
+                self.metrics.client_disconnects.inc()
+            else:  # the shutdown timeout passed: a clean error rather than a cut connection
+                status = 503
+                stop = RouterError(503, "The router is shutting down", code="shutting_down")
+                await self._send_error(response, stop, request_id)
         except Exception:
             log.exception("unexpected error routing %s", request_id.decode("latin-1"))
             status = 500

@@ -79,7 +79,7 @@ def test_a_body_that_stops_arriving_is_cut_at_the_body_timeout(
     sock = connect(router.port)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
-        b"content-length: 100\r\n\r\n{\"model\":"
+        b'content-length: 100\r\n\r\n{"model":'
     )
     sent = time.monotonic()
     _, closed = read_until_closed(sock)

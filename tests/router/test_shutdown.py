@@ -1,0 +1,157 @@
+"""Graceful shutdown: on SIGTERM /ready goes false, in-flight requests finish or end cleanly
+within the shutdown timeout, and the router exits."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from aiohttp import web
+
+from tests.router.stub_backend import StubBackend
+from tests.support import Server, free_port
+
+StartRouter = Callable[..., Server]
+
+
+class SlowBackend(StubBackend):
+    """Answers every completion after ``delay_s``."""
+
+    delay_s = 1.5
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        self.state.requests += 1
+        await request.read()
+        await asyncio.sleep(self.delay_s)
+        return web.json_response({"id": "cmpl-slow", "object": "text_completion"})
+
+
+@pytest.fixture
+def start_router() -> Iterator[StartRouter]:
+    started: list[Server] = []
+
+    def start(worker: str, *args: str, own_group: bool = False) -> Server:
+        port = free_port()
+        argv = ["router", "--port", str(port), "--worker", worker, *args]
+        server = Server(argv, port, start_timeout_s=90, own_group=own_group).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+class InFlight:
+    """One completion sent in a thread; ``result`` is its response or the exception."""
+
+    def __init__(self, url: str) -> None:
+        self.result: httpx.Response | Exception | None = None
+        self._thread = threading.Thread(target=self._send, args=(url,), daemon=True)
+        self._thread.start()
+
+    def _send(self, url: str) -> None:
+        try:
+            self.result = httpx.post(
+                url + "/v1/completions", json={"model": "stub-model", "prompt": "x"}, timeout=60
+            )
+        except httpx.HTTPError as exc:
+            self.result = exc
+
+    def wait(self) -> httpx.Response | Exception | None:
+        self._thread.join(30)
+        return self.result
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def terminate(router: Server, *, group: bool = False) -> float:
+    """SIGTERM the router; returns when it was sent."""
+    assert router.proc is not None
+    if group:
+        os.killpg(router.proc.pid, signal.SIGTERM)
+    else:
+        router.proc.send_signal(signal.SIGTERM)
+    return time.monotonic()
+
+
+def exit_time(router: Server, timeout_s: float = 60) -> float:
+    assert router.proc is not None
+    router.proc.wait(timeout_s)
+    return time.monotonic()
+
+
+def test_a_held_request_ends_in_503_shutting_down_and_the_router_exits_in_time(
+    start_router: StartRouter, stub: StubBackend
+) -> None:
+    stub.state.hang = True
+    router = start_router(stub.url, "--shutdown-timeout-s", "1")
+    held = InFlight(router.url)
+    wait_for(lambda: stub.state.requests == 1)
+    sent = terminate(router)
+    exited = exit_time(router)
+    assert exited - sent < 1 + 5
+    result = held.wait()
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 503
+    assert result.json()["error"]["code"] == "shutting_down"
+    # uvicorn re-raises the signal once shut down: ended by SIGTERM, not killed or crashed.
+    assert router.proc is not None and router.proc.returncode in (0, -signal.SIGTERM)
+
+
+def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
+    backend = SlowBackend().start()
+    port = free_port()
+    router = Server(
+        ["router", "--port", str(port), "--worker", backend.url, "--shutdown-timeout-s", "20"],
+        port,
+        start_timeout_s=90,
+    ).start()
+    try:
+        held = InFlight(router.url)
+        wait_for(lambda: backend.state.requests == 1)
+        sent = terminate(router)
+        result = held.wait()
+        assert isinstance(result, httpx.Response), result
+        assert result.status_code == 200
+        assert exit_time(router) - sent < 20
+    finally:
+        router.stop()
+        backend.stop()
+
+
+def test_ready_goes_false_while_the_router_drains(
+    start_router: StartRouter, stub: StubBackend
+) -> None:
+    router = start_router(stub.url, "--shutdown-drain-s", "2")
+    wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    terminate(router)
+    ready = httpx.get(router.url + "/ready", timeout=5)
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "shutting_down"
+    exit_time(router)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(router.url + "/health", timeout=5)
+
+
+def test_several_processes_exit_within_the_shutdown_timeout(
+    start_router: StartRouter, stub: StubBackend
+) -> None:
+    stub.state.hang = True
+    router = start_router(stub.url, "--processes", "2", "--shutdown-timeout-s", "1", own_group=True)
+    held = InFlight(router.url)
+    wait_for(lambda: stub.state.requests == 1)
+    sent = terminate(router, group=True)
+    assert exit_time(router) - sent < 1 + 10
+    assert held.wait() is not None
