@@ -21,7 +21,7 @@ from starlette.types import Send
 from balancer.view import FleetView
 from balancer.worker import Outcome, Ticket, Worker
 from router.admission import Expected, TTFTModel
-from router.errors import RouterError
+from router.errors import RouterError, engine_error_body
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
@@ -289,6 +289,8 @@ class Forwarder:
             body = await self.relay.read_all(resp)
         except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
             raise Unsent(exc) from None
+        if resp.status >= 400:
+            body = engine_error_body(body)
         elapsed = time.perf_counter() - started
         ttft.observe(elapsed)
         if expected is not None and resp.status == 200:
