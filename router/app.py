@@ -303,7 +303,11 @@ class RouterApp:
             request_id=request_id.decode("latin-1"),
             priority=priority,
         )
-        if self.kv is not None and self.scheduler.needs_prefix:
+        if (
+            self.kv is not None
+            and self.scheduler.needs_prefix
+            and ctx.prompt_tokens <= self.settings.kv_max_prompt_tokens
+        ):
             await self.kv.annotate(ctx, req, candidates)
         ranked = self.scheduler.schedule(ctx, candidates)
         if not ranked:

@@ -168,6 +168,12 @@ class RouterSettings(ServiceSettings):
     speculative_ttl_s: float = Field(
         default=30.0, ge=0, description="TTL of placements recorded without KV events"
     )
+    kv_max_prompt_tokens: int = Field(
+        default=1 << 20,
+        ge=1,
+        description="longest prompt (estimated tokens) looked up for cached prefixes; longer "
+        "ones are routed by load (their token lists would hold the loop and the memory)",
+    )
     event_lag_ttl_s: float = Field(
         default=2.0, ge=0, description="placements bridge the wait for engines' KV events"
     )

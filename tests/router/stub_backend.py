@@ -56,7 +56,7 @@ class StubBackend:
         self._thread.join(5)
 
     async def _start(self) -> None:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 2**20)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completion)
