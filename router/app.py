@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,7 +24,7 @@ from router.admission import PRIORITIES, Admission, TTFTModel
 from router.control import build_control_app
 from router.errors import RouterError
 from router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
-from router.headers import FORWARDED_HEADERS, valid_request_id
+from router.headers import FORWARDED_HEADERS, new_request_id, valid_request_id
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.pd.orchestrator import build_orchestrator
@@ -168,7 +167,14 @@ class RouterApp:
                     await self._handle(route, scope, receive, send)
                 else:
                     error = RouterError(405, f"Method {scope['method']} not allowed; use POST")
-                    await self._send_error(_Response(send), error, b"")
+                    await self._send_error(_Response(send), error, new_request_id())
+                return
+            limit = self.settings.max_header_bytes
+            if sum(len(k) + len(v) for k, v in scope["headers"]) > limit:
+                error = RouterError(
+                    431, f"Request headers exceed {limit} bytes", code="headers_too_large"
+                )
+                await self._send_error(_Response(send), error, new_request_id())
                 return
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
@@ -222,7 +228,7 @@ class RouterApp:
             if name is not None:
                 forward_headers[name] = value.decode("latin-1")
         if request_id is None or not valid_request_id(request_id):
-            request_id = os.urandom(16).hex().encode()
+            request_id = new_request_id()
         forward_headers["x-request-id"] = request_id.decode("ascii")
         if self.worker_authorization is not None:
             forward_headers["authorization"] = self.worker_authorization

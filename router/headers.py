@@ -8,6 +8,8 @@ The engines get ``Authorization`` only as the router's own ``worker_api_key``.
 
 from __future__ import annotations
 
+import os
+
 # Longest client ``x-request-id`` echoed and forwarded; a longer one is replaced.
 MAX_REQUEST_ID_CHARS = 128
 
@@ -34,3 +36,8 @@ def valid_request_id(value: bytes) -> bool:
         and value.isascii()
         and value.decode("ascii").isprintable()
     )
+
+
+def new_request_id() -> bytes:
+    """An id for a request that brought none (or one the router would not echo)."""
+    return os.urandom(16).hex().encode()

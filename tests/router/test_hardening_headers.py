@@ -149,3 +149,8 @@ def test_metrics_auth_api_key_accepts_a_data_key(engine: StubBackend) -> None:
         assert_openai_error(httpx.get(url + "/metrics"), 401)
         ok = httpx.get(url + "/metrics", headers={"authorization": "Bearer client-key"})
         assert ok.status_code == 200
+
+
+def test_control_plane_headers_over_the_limit_are_431(router: str) -> None:
+    resp = httpx.get(router + "/health", headers={"x-pad": "p" * 40_000})
+    assert_openai_error(resp, 431)
