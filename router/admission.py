@@ -12,7 +12,9 @@ overhead and the slope) and is then learned from every answer:
   the same name), scraped with its load, gives the mean engine-side TTFT of the
   requests answered between two scrapes, streamed or not.
 
-When the best candidate's prediction exceeds the objective by more than a margin the
+Admission scales predictions by the observed 90th percentile of actual over predicted
+(per kind), so the admitted meet the objective at p90 even where the linear model is
+biased. When the best candidate's prediction exceeds the objective by more than a margin the
 request is rejected at once with 429 and Retry-After (Mooncake's early rejection: a
 fast "no" beats a slow miss that also delays everyone behind it); when it is over but
 within the margin, the request waits briefly for the fleet to drain. Priority "high"
@@ -46,6 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("switchyard.router.admission")
 
 _EWMA = 0.2
+# The 90th percentile of actual/predicted first byte, tracked per kind by stochastic
+# quantile steps in log space: admission scales predictions by it, so that the admitted
+# meet the objective at p90 even where the linear model is biased (queues that batch).
+_Q = 0.9
+_Q_STEP = 0.05
+_Q_BOUNDS = (0.25, 4.0)
 _POLL_S = 0.01
 PRIORITIES = ("high", "normal", "low")
 STREAM, WHOLE = "stream", "whole"
@@ -81,6 +89,7 @@ class TTFTModel:
         self.fleet_rate: dict[str, float] = {}
         self.overhead_s: dict[str, float] = {}
         self._ratio = ratio
+        self._log_q90: dict[str, float] = {}
         # Engine TTFT histogram (sum, count) last seen, and the work of the requests
         # answered since, per worker.
         self._engine_seen: dict[str, tuple[float, float]] = {}
@@ -124,8 +133,11 @@ class TTFTModel:
     def observe(self, expected: Expected, actual_s: float) -> None:
         if actual_s <= 0 or expected.work_tokens <= 0:
             return
-        if self._ratio is not None and expected.predicted_s > 0:
-            self._ratio.labels(expected.kind).observe(actual_s / expected.predicted_s)
+        if expected.predicted_s > 0:
+            ratio = actual_s / expected.predicted_s
+            if self._ratio is not None:
+                self._ratio.labels(expected.kind).observe(ratio)
+            self._track_q90(expected.kind, ratio)
         overhead = self.overhead_s.get(expected.worker_id, 0.0)
         self.learn(
             expected.worker_id,
@@ -134,6 +146,16 @@ class TTFTModel:
         )
         work, n = self._answered.get(expected.worker_id, (0.0, 0))
         self._answered[expected.worker_id] = (work + expected.work_tokens, n + 1)
+
+    def _track_q90(self, kind: str, ratio: float) -> None:
+        q = self._log_q90.get(kind, 0.0)
+        q += _Q_STEP * (_Q if math.log(ratio) > q else _Q - 1.0)
+        low, high = _Q_BOUNDS
+        self._log_q90[kind] = min(max(q, math.log(low)), math.log(high))
+
+    def q90(self, stream: bool) -> float:
+        """The observed 90th percentile of actual over predicted first byte (1 until seen)."""
+        return math.exp(self._log_q90.get(STREAM if stream else WHOLE, 0.0))
 
     def absorb_engine(self, worker: Worker) -> None:
         """Learn the first-token rate from the engine's TTFT histogram since the last scrape."""
@@ -211,7 +233,8 @@ class Admission:
         return slo_ms / 1000.0 * (0.5 if ctx.priority == "low" else 1.0)
 
     def best(self, ctx: Context, workers: list[Worker], stream: bool) -> float:
-        return min(self.model.predict(ctx, w, stream) for w in workers)
+        """The best candidate's first byte at the model's observed 90th-percentile error."""
+        return min(self.model.predict(ctx, w, stream) for w in workers) * self.model.q90(stream)
 
     async def admit(
         self, ctx: Context, workers: list[Worker], objective_s: float, stream: bool = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -96,6 +97,26 @@ def test_engine_restart_rebaselines_without_learning() -> None:
     model.expect(ctx, worker, stream=False).observe(0.5)
     worker.engine = EngineSample(0, 0, None, ttft_sum=3.0, ttft_count=1)
     assert model.predict(ctx, worker, stream=True) == pytest.approx(0.1)
+
+
+def test_observed_under_prediction_raises_the_p90_scale() -> None:
+    model = trained(1e-3)
+    ctx = Context(model="m", prompt_tokens=100)
+    for _ in range(100):
+        expected = model.expect(ctx, Worker("a"), stream=True)
+        expected.observe(expected.predicted_s * 2)
+        model.learn("a", STREAM, 1e-3)  # keep the rate where it was: only the error moves
+    assert 1.5 < model.q90(stream=True) <= 2.5
+    assert model.q90(stream=False) == 1.0
+
+
+async def test_admission_judges_predictions_at_their_p90_error() -> None:
+    model = trained(1e-3)
+    model._log_q90[STREAM] = math.log(2.0)
+    adm = admission(model, max_wait_ms=0)
+    ctx = Context(model="m", prompt_tokens=400)  # 0.4 s raw, 0.8 s at the p90 error
+    with pytest.raises(RouterError):
+        await adm.admit(ctx, [Worker("a")], objective_s=0.5)
 
 
 def test_calibration_fits_overhead_and_slope() -> None:
