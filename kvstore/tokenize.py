@@ -7,67 +7,182 @@ Three modes:
 - an approximate character mode (no tokenizer at all): stable pseudo-tokens, one per
   ``CHARS_PER_TOKEN`` characters, good enough to see shared prefixes, marked ``exact=False``.
 
-Repeated prefixes are not re-tokenized: text is cut at boundaries no token can cross
-(special tokens such as ``<|im_start|>``, and a lone newline between two non-space
-characters for byte-level BPE), and the ids of each piece are cached. A probe at load
-time checks that cutting is exact for this tokenizer and turns it off if not.
+Repeated work is not redone. A chat's messages are rendered and tokenized one by one
+and the ids of each message are cached under a hash of the message, so turn k+1 of a
+conversation tokenizes only what turn k did not send. That is exact only when the
+template renders each message on its own and every message starts with a special token
+(which no token spans); both are checked at load time against a full render on sample
+conversations, and chats fall back to one full render when they do not hold. Text
+(completion prompts, and new messages) is cut at boundaries no token can cross (special
+tokens, a lone newline between two non-space characters, a space before a word for
+byte-level BPE), and the ids of each piece are cached, so prompts that share a long
+prefix share its pieces; probes at load time check each cut rule for this tokenizer.
+Both caches share one bound in bytes.
+
+Long uncached text is tokenized in one worker thread (HF ``tokenizers`` releases the
+GIL), first in, first out: the event loop stays free and requests are decided in the
+order they came.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
+
+T = TypeVar("T")
 
 # Characters per token when no tokenizer is at hand (also the router's token estimate).
 CHARS_PER_TOKEN = 4
 # Pieces shorter than this are merged with their neighbour before caching.
 MIN_PIECE_CHARS = 256
-_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+# Text with more uncached characters than this is tokenized in the worker thread.
+OFFLOAD_CHARS = 4096
+# Bound of the message and piece caches together (the settings' default is the same).
+CACHE_BYTES = 256 << 20
+# What one cached token costs in memory (a list slot and an int object), and one entry.
+_TOKEN_BYTES = 36
+_ENTRY_BYTES = 240
+_NEWLINE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+_SPACE_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
 _PROBES = (
     "Hello world.\nSecond line, with words.\n\nThird paragraph: 42 apples\n  indented\nend",
     "def f(x):\n    return x + 1\n# comment\nclass A:\n    pass\n",
     "Ünïcödé text\nnext 🙂 line\n\tTabbed\nlast",
+    "It's 3 o'clock, they'd said; don't   wait. (Really?) x-ray e.g. naïve café über",
+    "a, b; c: d! e? «f» 'g' \"h\" [i] {j} 2nd 3rd word-word snake_case CamelCase",
+)
+# Conversations that show whether a template renders each message on its own.
+_SAMPLE_CHATS: tuple[list[dict[str, Any]], ...] = (
+    [{"role": "user", "content": "Hi there."}],
+    [
+        {"role": "system", "content": "You are terse.\nAnswer in one line."},
+        {"role": "user", "content": "First question?"},
+        {"role": "assistant", "content": "First answer."},
+        {"role": "user", "content": "Second question, longer:\n  with lines."},
+    ],
+    [
+        {"role": "user", "content": "Start without a system prompt."},
+        {"role": "assistant", "content": "Fine."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Parts, "}, {"type": "text", "text": "two."}],
+        },
+        {"role": "assistant", "content": "Done."},
+    ],
+    [
+        {"role": "system", "content": "Rules."},
+        {"role": "user", "content": "One."},
+        {"role": "user", "content": "Two users in a row."},
+    ],
 )
 
 
-class _LRU:
-    """A bounded piece -> ids cache (by total cached tokens, so long pieces count fully)."""
+@dataclass
+class _Piece:
+    """Text whose ids are not cached yet; ``key`` None when the text is not to be cached."""
 
-    def __init__(self, max_tokens: int) -> None:
-        self.max_tokens = max_tokens
-        self.tokens = 0
-        self.hits = 0
-        self.misses = 0
-        self._d: OrderedDict[str, list[int]] = OrderedDict()
+    key: bytes | None
+    text: str
+    ids: list[int] | None = None
 
-    def get(self, key: str) -> list[int] | None:
+
+@dataclass
+class _Text:
+    """A text as cached ids and pieces to encode; ``key``: its message-cache key, if any.
+
+    A chat's plan lists its new messages as ``children``, cached whole once encoded.
+    """
+
+    parts: list[list[int] | _Piece]
+    key: bytes | None = None
+    children: list[_Text] = field(default_factory=list)
+
+
+class _ByteLRU:
+    """Token ids by content hash, least recently used out first, bounded in bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits: dict[str, int] = {"message": 0, "piece": 0, "engine": 0}
+        self.misses: dict[str, int] = {"message": 0, "piece": 0, "engine": 0}
+        self._d: OrderedDict[bytes, list[int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._d
+
+    @staticmethod
+    def cost(ids: list[int]) -> int:
+        return _ENTRY_BYTES + _TOKEN_BYTES * len(ids)
+
+    def get(self, key: bytes, kind: str) -> list[int] | None:
         ids = self._d.get(key)
         if ids is None:
-            self.misses += 1
+            self.misses[kind] += 1
             return None
-        self.hits += 1
+        self.hits[kind] += 1
         self._d.move_to_end(key)
         return ids
 
-    def put(self, key: str, ids: list[int]) -> None:
-        if len(ids) > self.max_tokens:
+    def put(self, key: bytes, ids: list[int]) -> None:
+        cost = self.cost(ids)
+        if cost > self.max_bytes:
             return
         old = self._d.pop(key, None)
         if old is not None:
-            self.tokens -= len(old)
+            self.bytes -= self.cost(old)
         self._d[key] = ids
-        self.tokens += len(ids)
-        while self.tokens > self.max_tokens:
+        self.bytes += cost
+        while self.bytes > self.max_bytes:
             _, dropped = self._d.popitem(last=False)
-            self.tokens -= len(dropped)
+            self.bytes -= self.cost(dropped)
+
+
+# Hash seeds keep the keys of messages, pieces and engine answers apart.
+_MESSAGE_SEED, _PIECE_SEED, _ENGINE_SEED = 1, 2, 3
+
+
+def _digest(text: str, seed: int) -> bytes:
+    return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"), seed)
+
+
+def _message_key(message: Any) -> bytes | None:
+    """A hash of everything the template may read from a message; None if unhashable."""
+    if not isinstance(message, dict):
+        return None
+    role, content = message.get("role"), message.get("content")
+    if len(message) == 2 and isinstance(role, str) and isinstance(content, str):
+        return _digest(role + "\x00" + content, _MESSAGE_SEED)
+    try:
+        text = json.dumps(message, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return None
+    return _digest(text, _MESSAGE_SEED)
+
+
+@dataclass(frozen=True)
+class _ChatLayout:
+    """How a template lays out a chat when it renders each message on its own."""
+
+    prefix: str  # rendered before the first message (e.g. a BOS text)
+    prefix_ids: list[int]
+    suffix_ids: list[int]  # the generation prompt
+    starts: tuple[str, ...]  # special tokens a message may start with
 
 
 def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
@@ -99,8 +214,13 @@ def _content_text(content: Any) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict))
 
 
+def _cut_safe(token: AddedToken) -> bool:
+    """A special token that takes no neighbouring whitespace: text around it tokenizes apart."""
+    return not (token.lstrip or token.rstrip or token.single_word)
+
+
 class RoutingTokenizer:
-    """Prompt and chat tokenization with prefix caching; see the module docstring."""
+    """Prompt and chat tokenization with message and prefix caching; see the module docstring."""
 
     def __init__(
         self,
@@ -109,31 +229,37 @@ class RoutingTokenizer:
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
         engine_url: str | None = None,
-        cache_tokens: int = 4_000_000,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
         self._tok = tokenizer
         self._engine_url = engine_url.rstrip("/") if engine_url else None
         self._special = special_tokens or {}
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(chat_template) if chat_template else None
-        self._cache = _LRU(cache_tokens)
+        self._cache = _ByteLRU(cache_bytes)
         self._bos: list[int] = []
         self._eos: list[int] = []
         self._split: re.Pattern[str] | None = None
+        self._cuts: tuple[tuple[re.Pattern[str], bool], ...] = ()
+        self._layout: _ChatLayout | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._queued = 0
         self.exact = tokenizer is not None or engine_url is not None
         self.cut_pieces = False
         if tokenizer is not None:
             self._bos, self._eos = _added_specials(tokenizer)
-            specials = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
-            specials = sorted((s for s in specials if s), key=len, reverse=True)
-            if specials:
-                self._split = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")")
-            self.cut_pieces = self._cutting_is_exact()
+            added = [t for t in tokenizer.get_added_tokens_decoder().values() if t.content]
+            specials = sorted((t.content for t in added), key=len, reverse=True)
+            if specials and all(_cut_safe(t) for t in added):
+                self._split = re.compile("(" + "|".join(re.escape(t) for t in specials) + ")")
+            self._cuts = self._exact_cuts()
+            self.cut_pieces = self._split is not None or bool(self._cuts)
+            self._layout = self._chat_layout(tuple(specials))
 
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path, cache_tokens: int = 4_000_000) -> RoutingTokenizer:
+    def from_dir(cls, path: str | Path, cache_bytes: int = CACHE_BYTES) -> RoutingTokenizer:
         p = Path(path)
         tok = Tokenizer.from_file(str(p / "tokenizer.json"))
         template: str | None = None
@@ -156,7 +282,7 @@ class RoutingTokenizer:
         if template is None and jinja.exists():
             template = jinja.read_text()
         return cls(
-            tokenizer=tok, chat_template=template, special_tokens=special, cache_tokens=cache_tokens
+            tokenizer=tok, chat_template=template, special_tokens=special, cache_bytes=cache_bytes
         )
 
     @classmethod
@@ -164,9 +290,9 @@ class RoutingTokenizer:
         return cls()
 
     @classmethod
-    def from_engine(cls, base_url: str, cache_tokens: int = 4_000_000) -> RoutingTokenizer:
+    def from_engine(cls, base_url: str, cache_bytes: int = CACHE_BYTES) -> RoutingTokenizer:
         """Ask the engine's ``/tokenize`` (vLLM/SGLang shape); answers are cached."""
-        return cls(engine_url=base_url, cache_tokens=cache_tokens)
+        return cls(engine_url=base_url, cache_bytes=cache_bytes)
 
     @property
     def mode(self) -> str:
@@ -175,11 +301,20 @@ class RoutingTokenizer:
         return "engine" if self._engine_url else "approximate"
 
     @property
-    def cache_stats(self) -> dict[str, int]:
+    def incremental(self) -> bool:
+        """Whether chats are tokenized message by message (the template allows it)."""
+        return self._layout is not None
+
+    @property
+    def cache_stats(self) -> dict[str, Any]:
+        c = self._cache
         return {
-            "hits": self._cache.hits,
-            "misses": self._cache.misses,
-            "tokens": self._cache.tokens,
+            "hits": sum(c.hits.values()),
+            "misses": sum(c.misses.values()),
+            "by_kind": {k: (c.hits[k], c.misses[k]) for k in c.hits},
+            "bytes": c.bytes,
+            "max_bytes": c.max_bytes,
+            "entries": len(c),
         }
 
     # -- local (hf / approximate) ----------------------------------------------------------
@@ -192,8 +327,7 @@ class RoutingTokenizer:
             if self._engine_url is not None:
                 return self._engine_tokenize_sync({"prompt": prompt})
             return self._approx(prompt)
-        ids = self._encode_text(prompt)
-        return self._bos + ids + self._eos if self._bos or self._eos else ids
+        return self._wrap(self._finish(self._text_plan(prompt), self._encode_inline))
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -205,7 +339,7 @@ class RoutingTokenizer:
                     {"messages": messages, "add_generation_prompt": add_generation_prompt}
                 )
             return self._approx(_render_plain_chat(messages, add_generation_prompt))
-        return self._encode_text(self.render_chat(messages, add_generation_prompt))
+        return self._finish(self._chat_plan(messages, add_generation_prompt), self._encode_inline)
 
     def encode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
         """Tokens that certainly begin ``text``'s encoding, from about ``max_chars`` of it.
@@ -215,13 +349,36 @@ class RoutingTokenizer:
         specials a completion prompt starts with. None when no safe cut exists. Pieces
         shared with earlier prompts come from the piece cache, as for whole prompts.
         """
-        if self._tok is None or len(text) <= max_chars:
+        cut = self._head_cut(text, max_chars)
+        if cut is None:
             return None
-        cut = text.rfind(" ", 0, max_chars)
-        if cut <= 0:
-            return None
-        ids = self._encode_text(text[:cut])[:-2]
+        ids = self._finish(self._text_plan(text[:cut]), self._encode_inline)[:-2]
         return self._bos + ids if prompt else ids
+
+    async def aencode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
+        """``encode_head`` with a long uncached head tokenized off the event loop."""
+        cut = self._head_cut(text, max_chars)
+        if cut is None:
+            return None
+        ids = (await self._run(self._text_plan(text[:cut])))[:-2]
+        return self._bos + ids if prompt else ids
+
+    def uncached_chars(self, messages: list[dict[str, Any]]) -> int | None:
+        """Characters of ``messages`` not in the message cache; None without incremental chats.
+
+        Cheap (one hash per message): the router asks it to choose between a whole-prompt
+        lookup and the head probe.
+        """
+        if self._layout is None:
+            return None
+        total = 0
+        for m in messages:
+            key = _message_key(m)
+            if key is None:
+                return None
+            if key not in self._cache:
+                total += len(_content_text(m.get("content"))) + 16
+        return total
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -232,50 +389,215 @@ class RoutingTokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self._special
         )
 
-    def _encode_text(self, text: str) -> list[int]:
-        assert self._tok is not None
+    def _head_cut(self, text: str, max_chars: int) -> int | None:
+        if self._tok is None or len(text) <= max_chars:
+            return None
+        cut = text.rfind(" ", 0, max_chars)
+        return cut if cut > 0 else None
+
+    def _wrap(self, ids: list[int]) -> list[int]:
+        return self._bos + ids + self._eos if self._bos or self._eos else ids
+
+    # -- plans: what is cached, what is to encode ------------------------------------------
+
+    def _text_plan(self, text: str, key: bytes | None = None) -> _Text:
         if not self.cut_pieces:
-            return self._tok.encode(text, add_special_tokens=False).ids
-        out: list[int] = []
-        pieces = self._pieces(text)
-        for piece in pieces:
-            ids = self._cache.get(piece)
-            if ids is None:
-                ids = self._tok.encode(piece, add_special_tokens=False).ids
-                self._cache.put(piece, ids)
-            out.extend(ids)
+            return _Text([_Piece(None, text)], key)
+        get = self._cache.get
+        parts: list[list[int] | _Piece] = []
+        for piece in self._pieces(text):
+            pkey = _digest(piece, _PIECE_SEED)
+            ids = get(pkey, "piece")
+            parts.append(ids if ids is not None else _Piece(pkey, piece))
+        return _Text(parts, key)
+
+    def _chat_plan(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> _Text:
+        """Messages from the cache where the template allows it; else one full render."""
+        layout = self._layout
+        if layout is None:
+            return self._text_plan(self.render_chat(messages, add_generation_prompt))
+        parts: list[list[int] | _Piece] = [layout.prefix_ids]
+        texts: list[_Text] = []
+        for m in messages:
+            key = _message_key(m)
+            ids = self._cache.get(key, "message") if key is not None else None
+            if ids is not None:
+                parts.append(ids)
+                continue
+            segment = self._segment(m, layout) if key is not None else None
+            if segment is None:
+                return self._text_plan(self.render_chat(messages, add_generation_prompt))
+            text = self._text_plan(segment, key)
+            texts.append(text)
+            parts.extend(text.parts)
+        if add_generation_prompt:
+            parts.append(layout.suffix_ids)
+        return _Text(parts, children=texts)
+
+    def _segment(self, message: dict[str, Any], layout: _ChatLayout) -> str | None:
+        """One message rendered alone, when it starts at a boundary no token crosses."""
+        try:
+            text = self.render_chat([message], add_generation_prompt=False)
+        except Exception:
+            return None
+        if not text.startswith(layout.prefix):
+            return None
+        text = text[len(layout.prefix) :]
+        return text if text.startswith(layout.starts) else None
+
+    @staticmethod
+    def _missing(plan: _Text) -> list[_Piece]:
+        return [p for p in plan.parts if isinstance(p, _Piece)]
+
+    def _finish(self, plan: _Text, encode: Callable[[list[str]], list[list[int]]]) -> list[int]:
+        """Encode what is missing, cache it (pieces and whole messages), join the ids."""
+        missing = self._missing(plan)
+        if missing:
+            for piece, ids in zip(missing, encode([p.text for p in missing]), strict=True):
+                piece.ids = ids
+        return self._assemble(plan)
+
+    def _assemble(self, plan: _Text) -> list[int]:
+        put = self._cache.put
+        for child in plan.children:
+            assert child.key is not None
+            put(child.key, _joined(child.parts))
+        out = _joined(plan.parts)
+        for part in plan.parts:
+            if isinstance(part, _Piece) and part.key is not None:
+                assert part.ids is not None
+                put(part.key, part.ids)
         return out
 
+    def _encode_inline(self, texts: list[str]) -> list[list[int]]:
+        assert self._tok is not None
+        enc = self._tok.encode
+        return [enc(t, add_special_tokens=False).ids for t in texts]
+
+    def _encode_released(self, texts: list[str]) -> list[list[int]]:
+        """In the worker thread: ``encode_batch`` releases the GIL (``encode`` does not)."""
+        assert self._tok is not None
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    async def _run(self, plan: _Text) -> list[int]:
+        """Small uncached text inline; long, or anything while the thread has a queue, there.
+
+        The worker thread is one, first in first out, so requests sent to it resume in
+        the order they came, and none overtakes a request queued before it.
+        """
+        missing = self._missing(plan)
+        if not self._queued and sum(len(p.text) for p in missing) <= OFFLOAD_CHARS:
+            return self._finish(plan, self._encode_inline)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="switchyard-tokenize")
+        texts = [p.text for p in missing]
+        self._queued += 1
+        try:
+            loop = asyncio.get_running_loop()
+            encoded = await loop.run_in_executor(self._executor, self._encode_released, texts)
+        finally:
+            self._queued -= 1
+        for piece, ids in zip(missing, encoded, strict=True):
+            piece.ids = ids
+        return self._assemble(plan)
+
     def _pieces(self, text: str) -> list[str]:
-        """Cut ``text`` where no token can span: around special tokens, then at line starts."""
+        """Cut ``text`` where no token can span: around special tokens, then in the text.
+
+        Cuts are chosen from the start of each segment, every ``MIN_PIECE_CHARS`` at
+        least, so two texts that share a prefix are cut alike up to where they differ.
+        """
         segments = self._split.split(text) if self._split is not None else [text]
         pieces: list[str] = []
         for seg in segments:
             if not seg:
                 continue
-            if len(seg) <= MIN_PIECE_CHARS:
+            if len(seg) <= 2 * MIN_PIECE_CHARS or not self._cuts:
                 pieces.append(seg)
                 continue
             start = 0
-            for m in _CUT.finditer(seg):
-                cut = m.end()
-                if cut - start >= MIN_PIECE_CHARS:
-                    pieces.append(seg[start:cut])
-                    start = cut
+            while True:
+                cut = self._next_cut(seg, start + MIN_PIECE_CHARS)
+                if cut is None or len(seg) - cut < MIN_PIECE_CHARS:
+                    break
+                pieces.append(seg[start:cut])
+                start = cut
             pieces.append(seg[start:])
-        return [p for p in pieces if p]
+        return pieces
 
-    def _cutting_is_exact(self) -> bool:
+    def _next_cut(self, seg: str, pos: int) -> int | None:
+        best: int | None = None
+        for pattern, after in self._cuts:
+            m = pattern.search(seg, pos, best if best is not None else len(seg))
+            if m is not None:
+                cut = m.end() if after else m.start()
+                best = cut if best is None else min(best, cut)
+        return best
+
+    def _exact_cuts(self) -> tuple[tuple[re.Pattern[str], bool], ...]:
+        """The cut rules that give exactly the uncut ids on every probe text."""
         assert self._tok is not None
         enc = self._tok.encode
-        for probe in _PROBES:
-            whole = enc(probe, add_special_tokens=False).ids
-            for m in _CUT.finditer(probe):
-                left = enc(probe[: m.end()], add_special_tokens=False).ids
-                right = enc(probe[m.end() :], add_special_tokens=False).ids
-                if left + right != whole:
-                    return False
-        return True
+        kept = []
+        for pattern, after in ((_NEWLINE_CUT, True), (_SPACE_CUT, False)):
+            exact = True
+            for probe in _PROBES:
+                whole = enc(probe, add_special_tokens=False).ids
+                for m in pattern.finditer(probe):
+                    cut = m.end() if after else m.start()
+                    left = enc(probe[:cut], add_special_tokens=False).ids
+                    right = enc(probe[cut:], add_special_tokens=False).ids
+                    if left + right != whole:
+                        exact = False
+            if exact:
+                kept.append((pattern, after))
+        return tuple(kept)
+
+    def _chat_layout(self, specials: tuple[str, ...]) -> _ChatLayout | None:
+        """The layout when message-by-message ids equal a full render's on every sample chat.
+
+        Needs a template, special tokens to cut at, each message starting with one, and
+        the same text and ids as the full render (with and without the generation prompt).
+        """
+        if self._template is None or self._tok is None or self._split is None:
+            return None
+        try:
+            prefix = self.render_chat([], add_generation_prompt=False)
+            with_prompt = self.render_chat([], add_generation_prompt=True)
+        except Exception:
+            return None
+        if not with_prompt.startswith(prefix):
+            return None
+        suffix = with_prompt[len(prefix) :]
+        if suffix and not suffix.startswith(specials):
+            return None
+        enc = self._tok.encode
+        layout = _ChatLayout(
+            prefix,
+            enc(prefix, add_special_tokens=False).ids if prefix else [],
+            enc(suffix, add_special_tokens=False).ids if suffix else [],
+            specials,
+        )
+        for chat in _SAMPLE_CHATS:
+            segments = [self._segment(m, layout) for m in chat]
+            if any(s is None for s in segments):
+                return None
+            for agp in (False, True):
+                try:
+                    full = self.render_chat(chat, add_generation_prompt=agp)
+                except Exception:
+                    return None
+                joined = prefix + "".join(s for s in segments if s) + (suffix if agp else "")
+                if joined != full:
+                    return None
+                ids = list(layout.prefix_ids)
+                for s in segments:
+                    ids += enc(s or "", add_special_tokens=False).ids
+                if agp:
+                    ids += layout.suffix_ids
+                if ids != enc(full, add_special_tokens=False).ids:
+                    return None
+        return layout
 
     def _approx(self, text: str) -> list[int]:
         h = xxhash.xxh32_intdigest
@@ -286,12 +608,12 @@ class RoutingTokenizer:
 
     # -- engine /tokenize ------------------------------------------------------------------
 
-    def _engine_body(self, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        return json.dumps(body, sort_keys=True), body
+    def _engine_key(self, body: dict[str, Any]) -> bytes:
+        return _digest(json.dumps(body, sort_keys=True), _ENGINE_SEED)
 
     def _engine_tokenize_sync(self, body: dict[str, Any]) -> list[int]:
-        key, body = self._engine_body(body)
-        ids = self._cache.get(key)
+        key = self._engine_key(body)
+        ids = self._cache.get(key, "engine")
         if ids is None:
             r = httpx.post(f"{self._engine_url}/tokenize", json=body, timeout=5.0)
             r.raise_for_status()
@@ -300,8 +622,8 @@ class RoutingTokenizer:
         return ids
 
     async def _engine_tokenize(self, body: dict[str, Any]) -> list[int]:
-        key, body = self._engine_body(body)
-        ids = self._cache.get(key)
+        key = self._engine_key(body)
+        ids = self._cache.get(key, "engine")
         if ids is None:
             async with httpx.AsyncClient(timeout=5.0) as client:
                 r = await client.post(f"{self._engine_url}/tokenize", json=body)
@@ -311,16 +633,40 @@ class RoutingTokenizer:
         return ids
 
     async def aencode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Like ``encode_prompt`` but never blocks the event loop in engine mode."""
-        if self._engine_url is not None and isinstance(prompt, str):
+        """Like ``encode_prompt``, with long uncached text tokenized off the event loop."""
+        if isinstance(prompt, list):
+            return prompt
+        if self._engine_url is not None:
             return await self._engine_tokenize({"prompt": prompt})
-        return self.encode_prompt(prompt)
+        if self._tok is None:
+            return self._approx(prompt)
+        return self._wrap(await self._run(self._text_plan(prompt)))
 
     async def aencode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
+        """Like ``encode_chat``, with long uncached messages tokenized off the event loop."""
         if self._engine_url is not None:
             return await self._engine_tokenize(
                 {"messages": messages, "add_generation_prompt": add_generation_prompt}
             )
-        return self.encode_chat(messages, add_generation_prompt)
+        if self._tok is None:
+            return self.encode_chat(messages, add_generation_prompt)
+        return await self._run(self._chat_plan(messages, add_generation_prompt))
+
+    def close(self) -> None:
+        """Stop the worker thread (a new one starts if tokenization is asked again)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _joined(parts: list[list[int] | _Piece]) -> list[int]:
+    out: list[int] = []
+    for part in parts:
+        if isinstance(part, _Piece):
+            assert part.ids is not None
+            out.extend(part.ids)
+        else:
+            out.extend(part)
+    return out
