@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
+from kvstore.tokenize import OFFLOAD_CHARS
 from router.metrics import KVMetrics
 from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -135,13 +136,18 @@ class EmbeddedPrefixes:
         store = self.store
         tok = store.tokenizer_for(model)
         messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
+        if messages is not None:
+            # Earlier turns come from the message cache: the whole lookup is the cheaper one.
+            new_chars = tok.uncached_chars(messages)
+            if new_chars is not None and new_chars <= OFFLOAD_CHARS:
+                return None
         text = tok.render_chat(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
             return None
         smallest = min(store.block_size_of(c) for c in candidates) if candidates else 0
         chars = PROBE_CHARS
         while True:
-            head = tok.encode_head(text, chars, prompt=messages is None)
+            head = await tok.aencode_head(text, chars, prompt=messages is None)
             if head is None or len(head) < max(smallest, 1):
                 return None
             result = await store.match_tokens(head, candidates, None, salt)
