@@ -43,7 +43,6 @@ from mockengine.settings import DEFAULT_TOKENIZER
 from switchyard.realvllm import BLOCK_SIZE, EngineOptions, build_model, start_engines
 
 MODEL = "switchyard-llama"
-MAX_MODEL_LEN = 4096
 
 
 class EventLog:
@@ -216,10 +215,11 @@ def main() -> None:
     for body in bodies:
         body.pop("stream_options")
     real, mock = Trace(), Trace()
+    max_len = args.blocks * BLOCK_SIZE  # vLLM refuses a context longer than its KV cache
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp) / "model", "tiny", MAX_MODEL_LEN)
+        model = build_model(Path(tmp) / "model", "tiny", max_len)
         opts = EngineOptions(
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=max_len,
             served_model_name=MODEL,
             extra_args=["--num-gpu-blocks-override", str(args.blocks)],
         )
@@ -232,7 +232,7 @@ def main() -> None:
     argv = [
         "mock", "--port", str(port), "--model", MODEL, "--tokenizer", DEFAULT_TOKENIZER,
         "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks", str(args.blocks),
-        "--max-model-len", str(MAX_MODEL_LEN), "--kv-events-port", str(events),
+        "--max-model-len", str(max_len), "--kv-events-port", str(events),
         "--kv-events-replay-port", str(free_port()), "--speed", "20",
     ]  # fmt: skip
     with Server(argv, port).start(timeout=60):

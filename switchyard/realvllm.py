@@ -113,11 +113,14 @@ class VllmEngine:
         return Engine(self.url, self.kv_events)
 
     def log_tail(self, lines: int = 30) -> str:
+        """The log's error lines (vLLM's root cause sits far above its last traceback), then
+        its last ``lines`` lines."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(text.splitlines()[-lines:])
+        errors = [ln for ln in text if "Error" in ln and not ln.startswith(" ")][-8:]
+        return "\n".join([*errors, "...", *text[-lines:]])
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM the process group (the engine core is a child process), then SIGKILL."""
