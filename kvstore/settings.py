@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvstore.discovery import worker_url
+from kvstore.tokenize import CACHE_BYTES as TOKENIZE_CACHE_BYTES
 from switchyard.settings import ServiceSettings
 
 
@@ -101,6 +102,11 @@ class KVStoreSettings(ServiceSettings):
         default=None, description="HF tokenizer dir; else tokenize_url; else approximate"
     )
     tokenize_url: str | None = Field(default=None, description="engine base URL for /tokenize")
+    tokenize_cache_bytes: int = Field(
+        default=TOKENIZE_CACHE_BYTES,
+        gt=0,
+        description="memory for cached token ids of chat messages and prompt pieces, bytes",
+    )
     # Tokens per KV block until an engine's events tell its own (the one default).
     block_size: int = Field(default=16, gt=0, description="KV block size until events tell")
     seed: int = Field(default=0, description="block-key hash seed")
