@@ -13,9 +13,9 @@ from kvstore.tokenize import RoutingTokenizer
 
 def tokenizer_from(settings: KVStoreSettings) -> RoutingTokenizer:
     if settings.tokenizer:
-        return RoutingTokenizer.from_dir(settings.tokenizer)
+        return RoutingTokenizer.from_dir(settings.tokenizer, settings.tokenize_cache_bytes)
     if settings.tokenize_url:
-        return RoutingTokenizer.from_engine(settings.tokenize_url)
+        return RoutingTokenizer.from_engine(settings.tokenize_url, settings.tokenize_cache_bytes)
     return RoutingTokenizer.approximate()
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
-from kvstore.tokenize import OFFLOAD_CHARS
+from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
 from router.metrics import KVMetrics
 from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -288,6 +288,8 @@ class KVAwareness:
         self.actual = counters.actual
         self.prompt = counters.prompt
         self.degraded = counters.degraded
+        self.tokenize_cache = counters.tokenize_cache
+        self._cache_seen: dict[tuple[int, str, str], int] = {}
 
     def has_events(self, worker: Worker) -> bool:
         return self.source.has_events(worker)
@@ -330,6 +332,19 @@ class KVAwareness:
                 self.degraded.inc()
         ctx.set_prefix(result)
         ctx.cached_blocks = await self.source.occupancy()
+        if isinstance(self.source, EmbeddedPrefixes):
+            self._count_cache(self.source.store.tokenizer_for(req.model))
+
+    def _count_cache(self, tok: RoutingTokenizer) -> None:
+        """Move the cache counters by what the tokenizer counted since the last request."""
+        seen = self._cache_seen
+        for kind, (hits, misses) in tok.cache_stats["by_kind"].items():
+            for outcome, total in (("hit", hits), ("miss", misses)):
+                key = (id(tok), kind, outcome)
+                delta = total - seen.get(key, 0)
+                if delta:
+                    seen[key] = total
+                    self.tokenize_cache.labels(kind, outcome).inc(delta)
 
     async def occupancy(self) -> dict[str, int]:
         return await self.source.occupancy()

@@ -123,3 +123,10 @@ class KVMetrics:
             "Lookups answered without information (KV store down or slow).",
             registry=registry,
         )
+        self.tokenize_cache = Counter(
+            "switchyard_router_tokenize_cache",
+            "Routing tokenization cache lookups by kind (message: a chat message's ids; piece: "
+            "a cut of text; engine: an engine /tokenize answer) and outcome (hit, miss).",
+            ["kind", "outcome"],
+            registry=registry,
+        )
