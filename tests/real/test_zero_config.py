@@ -19,6 +19,7 @@ from tests.support import TOKENIZER_DIR, Server, free_port, metric
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
 ACTUAL = "switchyard_router_actual_cached_tokens_total"
 ADMIN = "zero-config-admin"
+AUTH = {"authorization": f"Bearer {ADMIN}"}  # the admin API and /metrics
 
 
 def zero_config_router(workers: list[str], *extra: str) -> Server:
@@ -35,9 +36,7 @@ def parity_of(router: Server, timeout_s: float = 120.0) -> dict[str, dict]:
     """Each worker's parity check once every one has a verdict."""
     deadline = time.monotonic() + timeout_s
     while True:
-        resp = httpx.get(
-            router.url + "/admin/workers", headers={"authorization": f"Bearer {ADMIN}"}
-        )
+        resp = httpx.get(router.url + "/admin/workers", headers=AUTH)
         workers = resp.json()["workers"]
         done = {
             w["id"]: w["kv_parity"] for w in workers if (w["kv_parity"] or {}).get("ok") is not None
@@ -49,7 +48,7 @@ def parity_of(router: Server, timeout_s: float = 120.0) -> dict[str, dict]:
 
 
 def counters(router: Server) -> tuple[float, float]:
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+    text = httpx.get(router.url + "/metrics", headers=AUTH, timeout=10).text
     return metric(text, PREDICTED), metric(text, ACTUAL)
 
 
@@ -61,7 +60,7 @@ def test_worker_urls_alone_route_each_conversation_to_the_engine_that_holds_it(
         verdicts = parity_of(router)
         assert {v["block_size"] for v in verdicts.values()} == {BLOCK_SIZE}
         assert all(v["ok"] for v in verdicts.values()), verdicts
-        text = httpx.get(router.url + "/metrics").text
+        text = httpx.get(router.url + "/metrics", headers=AUTH).text
         assert metric(text, "switchyard_router_kv_estimating") == 0
         assert metric(text, "switchyard_router_kv_parity") == len(pair)
         background = "You answer questions about rivers and harbours in full sentences. " * 30
