@@ -6,11 +6,14 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from loadtest.cli import parse_params
+
+if TYPE_CHECKING:
+    from loadtest.simplan import Plan
 
 Opt = typer.Option
 
@@ -103,3 +106,117 @@ def register(app: typer.Typer) -> None:
         if as_json:
             sys.stdout.flush()
             print(json.dumps(outcome.headline()))
+
+
+def register_plan(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_command(
+        rate: Annotated[float, Opt(help="Arrivals per second to plan for.")],
+        slo_ttft_ms: Annotated[float, Opt(help="Objective: TTFT p90, ms.")] = 500.0,
+        slo_tpot_ms: Annotated[float, Opt(help="Objective: TPOT p90, ms.")] = 50.0,
+        workload: Annotated[str, Opt(help="multiturn, shared_prefix or random.")] = "multiturn",
+        duration: Annotated[float, Opt(help="Seconds of arrivals per probe.")] = 30.0,
+        policy: Annotated[str, Opt(help="Policy the engine count is searched with.")] = "kv_aware",
+        compare: Annotated[
+            str, Opt(help="Comma list of policies compared at the size found.")
+        ] = "kv_aware,round_robin,least_load",
+        max_engines: Annotated[int, Opt(help="Largest fleet tried.")] = 256,
+        param: Annotated[
+            list[str] | None, Opt(help="Workload parameter KEY=VALUE, repeatable.")
+        ] = None,
+        num_gpu_blocks: Annotated[int, Opt(help="KV blocks per engine (16 tokens each).")] = 2000,
+        seed: Annotated[int, Opt(help="Workload, engine and policy seed.")] = 0,
+        mock_config: Annotated[
+            Path | None, Opt(help="YAML 'mock' section: the engines' timing model and limits.")
+        ] = None,
+        out: Annotated[Path | None, Opt(help="Directory for plan.png.")] = None,
+    ) -> None:
+        """The fewest simulated engines that meet a TTFT/TPOT objective at a rate."""
+        from rich.table import Table
+
+        from loadtest.report import wide_console
+        from loadtest.simplan import Objective, assumptions, plan
+        from loadtest.simulate import SimConfig
+
+        if workload == "mooncake":
+            raise typer.BadParameter("plan takes generated workloads (rate and duration)")
+        params = {**parse_params(param), "rate": rate, "duration_s": duration}
+        base = SimConfig(
+            workload=workload,
+            workload_params=params,
+            seed=seed,
+            num_gpu_blocks=num_gpu_blocks,
+            mock_config=mock_config,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
+            record_token_times=False,
+        )
+        logging.getLogger("switchyard.router").setLevel(logging.ERROR)
+        console = wide_console()
+        objective = Objective(slo_ttft_ms, slo_tpot_ms)
+        try:
+            result = plan(
+                base,
+                objective,
+                policy,
+                [p.strip() for p in compare.split(",") if p.strip()],
+                max_engines,
+                on_probe=lambda n, run: console.print(
+                    f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
+                    f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
+                ),
+            )
+        except (ValueError, TypeError) as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        table = Table(
+            title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
+            f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
+        )
+        for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
+            table.add_column(col, justify="right")
+        for n, run in sorted(result.probes.items()):
+            s = run.summary
+            table.add_row(
+                str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
+                f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
+            )  # fmt: skip
+        for run in result.compared[1:]:
+            s = run.summary
+            table.add_row(
+                str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
+                f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
+                "yes" if objective.met(run) else "no",
+            )  # fmt: skip
+        console.print(table)
+        if result.engines is None:
+            console.print(f"No fleet up to {max_engines} engines meets the objective.")
+        else:
+            console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
+        console.print(f"Assumed: {assumptions(base)}")
+        if out is not None:
+            console.print(f"wrote {plot_plan(result, out)}")
+
+
+def plot_plan(result: Plan, out: Path) -> Path:
+    """TTFT p90 against engine count, with the objective."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = sorted(result.probes)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(sizes, [result.probes[n].summary.ttft_ms["p90"] for n in sizes], "o-", label="TTFT p90")
+    ax.axhline(result.objective.ttft_p90_ms, color="black", ls="--", label="objective")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("engines")
+    ax.set_ylabel("TTFT p90, ms (simulated)")
+    ax.set_title(f"Engines needed, policy {result.policy}")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "plan.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -18,6 +18,7 @@ from balancer.cli import command as balancer_command
 from kvstore.cli import command as kvstore_command
 from loadtest.cli import register as register_loadtest
 from loadtest.simcli import register as register_simulate
+from loadtest.simcli import register_plan
 from mockengine.cli import command as mock_command
 from mockengine.cli import register as register_mock_fleet
 from router.cli import command as router_command
@@ -37,6 +38,7 @@ def cli() -> click.Group:
     register_mock_fleet(tools)
     register_loadtest(tools)
     register_simulate(tools)
+    register_plan(tools)
     for name, help_text in TOOLS.items():
         group.add_command(_typer_tool(tools, name, help_text))
     return group
@@ -48,6 +50,7 @@ TOOLS = {
     "bench": "Load tests against mock fleets.",
     "demo": "A local stack (router + mock engines) and a short routing comparison.",
     "simulate": "The router's own policies over thousands of simulated engines, no HTTP.",
+    "plan": "The fewest simulated engines that meet a TTFT/TPOT objective at a rate.",
 }
 
 
