@@ -1,0 +1,153 @@
+"""Chats tokenized message by message give exactly the ids of one full render."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from tokenizers import Tokenizer
+
+from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
+from router.metrics import KVMetrics
+from tests.support import TOKENIZER_DIR
+
+SYSTEM = "You review code.\nBe brief. " + "Shared system prompt words. " * 60
+
+
+def _full(tok: RoutingTokenizer, messages: list[dict[str, Any]], agp: bool = True) -> list[int]:
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    return hf.encode(tok.render_chat(messages, agp), add_special_tokens=False).ids
+
+
+def _chat(turns: int) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"Question {i}: why does line {i} fail?"})
+        messages.append({"role": "assistant", "content": f"Answer {i}.\nBecause of {i * 3}."})
+    return messages
+
+
+def _ours() -> RoutingTokenizer:
+    return RoutingTokenizer.from_dir(TOKENIZER_DIR)
+
+
+def test_our_template_is_tokenized_message_by_message() -> None:
+    assert _ours().incremental
+
+
+def test_each_turn_of_a_chat_gives_the_full_render_ids() -> None:
+    tok = _ours()
+    for turns in range(1, 6):
+        messages = _chat(turns)[:-1]
+        assert tok.encode_chat(messages) == _full(tok, messages)
+        assert tok.encode_chat(messages, False) == _full(tok, messages, False)
+
+
+def test_a_later_turn_tokenizes_only_the_answer_and_question_it_adds() -> None:
+    tok = _ours()
+    tok.encode_chat(_chat(3)[:-1])
+    before = tok.cache_stats["by_kind"]["message"]
+    tok.encode_chat(_chat(4)[:-1])
+    hits, misses = tok.cache_stats["by_kind"]["message"]
+    assert (hits - before[0], misses - before[1]) == (6, 2)
+    assert tok.uncached_chars(_chat(4)[:-1]) == 0
+
+
+def test_a_template_whose_messages_depend_on_each_other_falls_back_to_a_full_render() -> None:
+    cfg = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    # The first message gets a header the others do not: a message alone renders differently.
+    template = (
+        "{% for m in messages %}{% if loop.first %}<|im_start|>system\nheader<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert template != cfg["chat_template"]
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    tok = RoutingTokenizer(tokenizer=hf, chat_template=template)
+    assert not tok.incremental and tok.uncached_chars(_chat(2)) is None
+    messages = _chat(2)
+    assert tok.encode_chat(messages) == _full(tok, messages)
+
+
+def test_a_template_without_special_tokens_between_messages_falls_back() -> None:
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tok = RoutingTokenizer(tokenizer=hf, chat_template=template)
+    assert not tok.incremental
+    assert tok.encode_chat(_chat(2)) == _full(tok, _chat(2))
+
+
+def test_the_cache_stays_within_its_byte_bound() -> None:
+    bound = 64 * 1024
+    tok = RoutingTokenizer.from_dir(TOKENIZER_DIR, cache_bytes=bound)
+    for i in range(200):
+        messages = [{"role": "user", "content": f"conversation {i}: " + "words here " * 40}]
+        assert tok.encode_chat(messages) == _full(tok, messages)
+        assert tok.cache_stats["bytes"] <= bound
+    assert tok.cache_stats["entries"] < 200
+
+
+def test_prompts_sharing_a_long_prefix_share_its_pieces() -> None:
+    tok = _ours()
+    shared = "The same long preamble of a document, sentence after sentence. " * 80
+    tok.encode_prompt(shared + "first question")
+    hits = tok.cache_stats["by_kind"]["piece"][0]
+    ids = tok.encode_prompt(shared + "a second, different question")
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    assert ids == hf.encode(shared + "a second, different question").ids
+    assert tok.cache_stats["by_kind"]["piece"][0] - hits >= 8
+
+
+def test_long_text_tokenized_in_the_thread_gives_the_same_ids_in_request_order() -> None:
+    tok = _ours()
+    long_chat = [{"role": "user", "content": "alpha beta gamma " * OFFLOAD_CHARS}]
+    short_chat = [{"role": "user", "content": "short"}]
+
+    async def both() -> list[str]:
+        done: list[str] = []
+
+        async def one(name: str, messages: list[dict[str, Any]]) -> None:
+            assert await tok.aencode_chat(messages) == _full(tok, messages)
+            done.append(name)
+
+        await asyncio.gather(one("long", long_chat), one("short", short_chat))
+        return done
+
+    assert asyncio.run(both()) == ["long", "short"]
+    tok.close()
+
+
+def test_cache_counters_move_with_hits_and_misses() -> None:
+    registry = CollectorRegistry()
+    counter = KVMetrics(registry).tokenize_cache
+    tok = _ours()
+    tok.encode_chat(_chat(1))
+    tok.encode_chat(_chat(2))
+    for kind, (hits, misses) in tok.cache_stats["by_kind"].items():
+        counter.labels(kind, "hit").inc(hits)
+        counter.labels(kind, "miss").inc(misses)
+    value = registry.get_sample_value
+    assert value("switchyard_router_tokenize_cache_total", {"kind": "message", "outcome": "hit"})
+    assert value("switchyard_router_tokenize_cache_total", {"kind": "message", "outcome": "miss"})
+
+
+_text = st.lists(
+    st.sampled_from(list("ab Zé1\n\t.,'?") + ["<|im_end|>", " word", "\n\n", "Ünï 🙂"]),
+    max_size=120,
+).map("".join)
+_message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": _text}
+)
+_INCREMENTAL = _ours()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_message, min_size=1, max_size=8), st.booleans())
+def test_incremental_ids_equal_full_render_ids_on_random_conversations(
+    messages: list[dict[str, Any]], agp: bool
+) -> None:
+    assert _INCREMENTAL.encode_chat(messages, agp) == _full(_INCREMENTAL, messages, agp)
