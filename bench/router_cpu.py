@@ -1,0 +1,236 @@
+"""Router cost per request: Switchyard (kv_aware) and smg on the same mock fleet.
+
+Replays the multi-turn and Mooncake workloads through each router in turn (alternating
+the order on every repetition) and prints, per run, the router's CPU-seconds per 1,000
+requests (utime + stime of its process from ``/proc/PID/stat``, over the replay only),
+the schedule-time histogram (``switchyard_router_schedule_seconds``; smg exposes none)
+and the clients' TTFT. ``--micro`` instead times the scheduling lookup per turn in this
+process, with the message cache on and off, alternating. Usage::
+
+    python -m bench.router_cpu [multiturn mooncake] [--requests 300] [--repeats 2]
+    python -m bench.router_cpu --micro [--requests 600]
+
+The fixed-backend figure is ``bench.overhead``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from bench.compare_routing import MULTITURN, SCENARIOS
+from loadtest.client import Result, replay
+from loadtest.compare import MODEL, run_order
+from loadtest.fleet import MockFleet
+from loadtest.metrics import percentile
+from loadtest.prom import samples
+from loadtest.routers import RouterSpec, Unavailable, start_router
+from loadtest.workload import Workload
+from loadtest.workloads import build_workload
+from mockengine.settings import DEFAULT_TOKENIZER
+
+ROUTERS = ("kv_aware", "smg:cache_aware")
+SCHEDULE = "switchyard_router_schedule_seconds_bucket"
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
+
+
+def workload_for(name: str, requests: int, seed: int) -> Workload:
+    if name == "multiturn":
+        rate = float(MULTITURN["rate"])
+        return build_workload(name, seed, **{**MULTITURN, "duration_s": requests / rate})
+    if name == "mooncake":
+        return build_workload(name, seed, **{**SCENARIOS["mooncake"]["params"], "limit": requests})
+    raise ValueError(f"unknown workload {name!r}: multiturn or mooncake")
+
+
+def schedule_buckets(url: str) -> dict[float, float]:
+    """Cumulative counts of the schedule-time histogram by upper bound (empty for smg)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {float(s.labels["le"]): s.value for s in samples(text) if s.name == SCHEDULE}
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile ``q`` (None without samples)."""
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return None
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return None
+
+
+@dataclass
+class Row:
+    workload: str
+    router: str
+    repeat: int
+    ok: int
+    cpu_s: float
+    ttft_ms: list[float]
+    buckets: dict[float, float]
+
+    def line(self) -> str:
+        per_k = self.cpu_s / self.ok * 1000 if self.ok else float("nan")
+        p50, p90 = (percentile(self.ttft_ms, q) for q in (50, 90))
+        s50, s90 = (bucket_quantile(self.buckets, q) for q in (0.5, 0.9))
+        sched = "n/a" if s50 is None else f"≤{s50 * 1e3:g} / ≤{(s90 or 0) * 1e3:g}"
+        return (
+            f"{self.workload:>9} {self.router:>16} {self.repeat + 1:>3} {self.ok:>5} "
+            f"{self.cpu_s:>7.2f} {per_k:>9.2f} {p50 or 0:>8.1f} {p90 or 0:>8.1f}  {sched}"
+        )
+
+
+def one_run(fleet: MockFleet, spec: RouterSpec, workload: Workload, repeat: int) -> Row:
+    fleet.reset()
+    with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
+        time.sleep(0.5)
+        before = process_cpu_s(router.proc.pid)
+        results: list[Result] = asyncio.run(replay(router.url, workload, MODEL))
+        cpu = process_cpu_s(router.proc.pid) - before
+        buckets = schedule_buckets(router.url)
+    ttft = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
+    return Row(workload.name, spec.label, repeat, sum(r.ok for r in results), cpu, ttft, buckets)
+
+
+def histogram_lines(rows: list[Row]) -> list[str]:
+    out = []
+    for row in rows:
+        total = row.buckets.get(float("inf"), 0.0)
+        if not total:
+            continue
+        cells = " ".join(
+            f"≤{b * 1e3:g}ms:{row.buckets[b] / total:.0%}" for b in sorted(row.buckets)[:-1]
+        )
+        out.append(f"{row.workload} {row.router} run {row.repeat + 1}: {cells}")
+    return out
+
+
+def replay_bench(args: argparse.Namespace) -> None:
+    specs = [RouterSpec.parse(r) for r in args.routers]
+    rows: list[Row] = []
+    for name in args.workloads:
+        workload = workload_for(name, args.requests, args.seed)
+        blocks = int(SCENARIOS[name]["blocks"])
+        with MockFleet(args.engines, blocks, args.speed, args.seed) as fleet:
+            for repeat in range(args.repeats):
+                for spec in run_order(specs, repeat):
+                    try:
+                        row = one_run(fleet, spec, workload, repeat)
+                    except Unavailable as exc:
+                        print(f"{spec.label}: not available ({exc})", file=sys.stderr)
+                        continue
+                    rows.append(row)
+                    print(row.line(), flush=True)
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(
+        f"{'workload':>9} {'router':>16} {'run':>3} {'ok':>5} {'cpu_s':>7} {'cpu/1k':>9} "
+        f"{'ttft_p50':>8} {'ttft_p90':>8}  schedule p50 / p90 (ms, bucket bounds)"
+    )
+    for row in rows:
+        print(row.line())
+    print("\nschedule-time histogram (cumulative share of requests):")
+    for line in histogram_lines(rows):
+        print(line)
+    print("\nmedian CPU-seconds per 1,000 requests:")
+    for name in args.workloads:
+        for spec in specs:
+            per_k = [
+                r.cpu_s / r.ok * 1000
+                for r in rows
+                if r.workload == name and r.ok and r.router == spec.label
+            ]
+            if per_k:
+                print(f"{name:>9} {spec.label:>16} {statistics.median(per_k):8.2f}")
+
+
+async def _lookup_times(workload: Workload, incremental: bool) -> dict[str, list[float]]:
+    """Seconds per scheduling lookup (probe, else whole lookup), by first or later turn."""
+    from kvstore.memory import MemoryIndex
+    from kvstore.store import KVStore
+    from kvstore.tokenize import RoutingTokenizer
+    from router.kv import EmbeddedPrefixes
+
+    tok = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
+    if not incremental:
+        tok._layout = None  # the message cache off: a full render and the head probe
+    store = KVStore(MemoryIndex(), block_size=16, tokenizer=tok)
+    source = EmbeddedPrefixes(store)
+    workers = [f"w{i}" for i in range(8)]
+    times: dict[str, list[float]] = {"turn 1": [], "turns ≥ 2": []}
+    for i, req in enumerate(workload.requests):
+        prompt: dict[str, Any] = {"messages": req.messages}
+        t0 = time.perf_counter()
+        result = await source.probe(MODEL, prompt, None, workers)
+        if result is None:
+            result = await source.lookup(MODEL, prompt, None, workers)
+        elapsed = time.perf_counter() - t0
+        times["turn 1" if len(req.messages) <= 2 else "turns ≥ 2"].append(elapsed)
+        best = max(result.matches, key=lambda m: m.matched_tokens, default=None)
+        worker = best.instance if best is not None else workers[i % len(workers)]
+        ids, _ = await store.tokenize(MODEL, messages=req.messages)
+        await store.record_placement(store.keys_for(ids), worker, 0, 3600.0)
+    return times
+
+
+def micro_bench(args: argparse.Namespace) -> None:
+    workload = workload_for("multiturn", args.requests, args.seed)
+    print(f"multiturn, {len(workload.requests)} requests, 8 workers; load {os.getloadavg()[0]:.1f}")
+    runs: dict[str, list[dict[str, list[float]]]] = {"before": [], "after": []}
+    for repeat in range(args.repeats):
+        for label in run_order(["before", "after"], repeat):
+            runs[label].append(asyncio.run(_lookup_times(workload, label == "after")))
+    for label, results in runs.items():
+        for turn in ("turn 1", "turns ≥ 2"):
+            values = sorted(v for r in results for v in r[turn])
+            p50, p90 = (percentile(values, q) or 0.0 for q in (50, 90))
+            how = "message cache" if label == "after" else "full render + head probe"
+            print(
+                f"{label:>6} ({how}) {turn:>9}: n={len(values)} "
+                f"p50={p50 * 1e3:.3f} ms p90={p90 * 1e3:.3f} ms"
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.router_cpu", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("workloads", nargs="*", default=["multiturn", "mooncake"])
+    ap.add_argument("--requests", type=int, default=300, help="requests per workload")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
+    ap.add_argument("--engines", type=int, default=8)
+    ap.add_argument("--speed", type=float, default=10.0, help="mock engine speed-up")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro", action="store_true", help="schedule lookup per turn, in-process")
+    args = ap.parse_args(argv)
+    bad = [w for w in args.workloads if w not in ("multiturn", "mooncake")]
+    if bad or args.requests < 1 or args.repeats < 1:
+        ap.error(f"workloads are multiturn and mooncake; counts must be positive ({bad or ''})")
+    if args.micro:
+        micro_bench(args)
+    else:
+        replay_bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
