@@ -242,7 +242,8 @@ class Admission:
         """Return when some candidate can meet the objective; raise 429 otherwise.
 
         Over the objective by more than the margin: reject at once. Within it: wait up to
-        the longest admission wait for the fleet to drain, rejecting as soon as it is not.
+        the longest admission wait for the fleet to drain, the wait counting against the
+        objective, rejecting as soon as the wait plus the prediction leaves the margin.
         """
         best = self.best(ctx, workers, stream)
         if best <= objective_s:
@@ -250,12 +251,15 @@ class Admission:
             return
         line = objective_s * (1.0 + self.margin_ratio)
         if best <= line and self.max_wait_s > 0:
+            # Time spent waiting counts against the objective: the client's clock runs.
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.max_wait_s
-            while best <= line and loop.time() < deadline:
+            began = loop.time()
+            waited = 0.0
+            while waited + best <= line and waited < self.max_wait_s:
                 await asyncio.sleep(_POLL_S)
+                waited = loop.time() - began
                 best = self.best(ctx, workers, stream)
-                if best <= objective_s:
+                if waited + best <= objective_s:
                     self.decisions.labels("admitted_after_wait", ctx.priority).inc()
                     return
         self.decisions.labels("rejected", ctx.priority).inc()

@@ -191,17 +191,26 @@ async def test_rejects_at_once_far_beyond_the_objective() -> None:
 
 async def test_waits_near_the_line_and_admits_once_the_queue_drains() -> None:
     adm = admission(trained(), max_wait_ms=2000)
-    load = FakeLoad(prefill_tokens=100)
-    ctx = Context(model="m", prompt_tokens=500)  # 0.6 s predicted against 0.5 s
+    load = FakeLoad(prefill_tokens=150)
+    ctx = Context(model="m", prompt_tokens=400)  # 0.55 s predicted against 0.5 s, then 0.4 s
 
     async def drain() -> None:
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.02)
         load.prefill_tokens = 0
 
     drainer = asyncio.create_task(drain())
     await adm.admit(ctx, [Worker("a", state=load)], objective_s=0.5)
     await drainer
     assert adm.decisions.labels("admitted_after_wait", "normal")._value.get() == 1
+
+
+async def test_the_wait_counts_against_the_objective() -> None:
+    adm = admission(trained(), max_wait_ms=2000)
+    ctx = Context(model="m", prompt_tokens=550)  # 0.55 s, never drains: over the line at 75 ms
+    began = time.perf_counter()
+    with pytest.raises(RouterError):
+        await adm.admit(ctx, [Worker("a")], objective_s=0.5)
+    assert 0.07 <= time.perf_counter() - began < 0.5
 
 
 async def test_near_the_line_without_draining_rejects_after_the_wait() -> None:
