@@ -17,7 +17,8 @@ def print_table(outcome: SimOutcome, console: Console) -> None:
     cfg = outcome.config
     console.print(
         f"simulated: {outcome.sim_s:.1f} s of model time in {outcome.wall_s:.1f} s wall "
-        f"(×{outcome.sim_s / outcome.wall_s if outcome.wall_s else 0:.0f}; setup "
+        f"(×{outcome.sim_s / outcome.wall_s if outcome.wall_s else 0:.0f}; "
+        f"{outcome.cpu_s:.1f} s CPU; setup "
         f"{outcome.setup_wall_s:.1f} s), {cfg.engines} engines × {cfg.dp_size} DP rank(s), "
         f"peak RSS {outcome.peak_rss_bytes / 2**20:.0f} MiB. No HTTP, client or router CPU "
         f"time is in these latencies; KV events are applied at the step that emits them."

@@ -99,6 +99,7 @@ class PolicyRun:
     ttft_ms: list[float]
     sim_s: float  # model seconds from the first arrival to the last event
     wall_s: float
+    cpu_s: float  # this process's CPU time: on a shared machine, wall time measures the others
     decisions: int
 
 
@@ -118,6 +119,10 @@ class SimOutcome:
     @property
     def wall_s(self) -> float:
         return sum(r.wall_s for r in self.runs)
+
+    @property
+    def cpu_s(self) -> float:
+        return sum(r.cpu_s for r in self.runs)
 
     def as_compare(self) -> CompareOutcome:
         """The same shape ``bench compare`` reports, so its table and JSON apply as they are."""
@@ -150,6 +155,7 @@ class SimOutcome:
             "requests": len(self.workload),
             "sim_seconds": round(self.sim_s, 3),
             "wall_seconds": round(self.wall_s, 3),
+            "cpu_seconds": round(self.cpu_s, 3),
             "setup_wall_seconds": round(self.setup_wall_s, 3),
             "speedup": round(self.sim_s / self.wall_s, 1) if self.wall_s else None,
             "peak_rss_bytes": self.peak_rss_bytes,
@@ -164,6 +170,7 @@ class SimOutcome:
                     "errors": r.summary.errors,
                     "sim_seconds": round(r.sim_s, 3),
                     "wall_seconds": round(r.wall_s, 3),
+                    "cpu_seconds": round(r.cpu_s, 3),
                 }
                 for r in self.runs
             },
@@ -295,9 +302,9 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
 
     fleet.router = route_and_feed
     submit_next()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     fleet.run()
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     results = [_result(r, speed) for r in fleet.results.values()]
     served = [0] * cfg.engines
     for r in fleet.results.values():
@@ -308,7 +315,7 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     summary.engine_hit_rate = sum(s.prefix_cache_hits for s in stats) / queried if queried else None
     ttfts = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     sim_s = fleet.now - (first[0] if first else 0.0)
-    return PolicyRun(policy, summary, ttfts, sim_s, wall, router.decisions)
+    return PolicyRun(policy, summary, ttfts, sim_s, wall, cpu, router.decisions)
 
 
 def _result(r: RequestResult, speed: float) -> Result:
