@@ -207,7 +207,8 @@ def plot_plan(result: Plan, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sizes = sorted(result.probes)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(sizes, [result.probes[n].summary.ttft_ms["p90"] for n in sizes], "o-", label="TTFT p90")
+    p90 = [result.probes[n].summary.ttft_ms["p90"] or 0.0 for n in sizes]
+    ax.plot(sizes, p90, "o-", label="TTFT p90")
     ax.axhline(result.objective.ttft_p90_ms, color="black", ls="--", label="objective")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
