@@ -516,23 +516,32 @@ class RoutingTokenizer:
                 pieces.append(seg)
                 continue
             start = 0
-            while True:
-                cut = self._next_cut(seg, start + MIN_PIECE_CHARS)
-                if cut is None or len(seg) - cut < MIN_PIECE_CHARS:
-                    break
-                pieces.append(seg[start:cut])
-                start = cut
+            for cut in self._cut_points(seg):
+                if cut - start >= MIN_PIECE_CHARS and len(seg) - cut >= MIN_PIECE_CHARS:
+                    pieces.append(seg[start:cut])
+                    start = cut
             pieces.append(seg[start:])
         return pieces
 
-    def _next_cut(self, seg: str, pos: int) -> int | None:
-        best: int | None = None
+    def _cut_points(self, seg: str) -> list[int]:
+        """Where each cut rule allows a cut, at most one per ``MIN_PIECE_CHARS`` per rule.
+
+        Each search starts a piece's length after the last point found, so a long text is
+        scanned about once per rule, whatever its number of pieces.
+        """
+        points: list[int] = []
         for pattern, after in self._cuts:
-            m = pattern.search(seg, pos, best if best is not None else len(seg))
-            if m is not None:
+            pos = MIN_PIECE_CHARS
+            while True:
+                m = pattern.search(seg, pos)
+                if m is None:
+                    break
                 cut = m.end() if after else m.start()
-                best = cut if best is None else min(best, cut)
-        return best
+                points.append(cut)
+                pos = cut + MIN_PIECE_CHARS
+        if len(self._cuts) > 1:
+            points.sort()
+        return points
 
     def _exact_cuts(self) -> tuple[tuple[re.Pattern[str], bool], ...]:
         """The cut rules that give exactly the uncut ids on every probe text."""
