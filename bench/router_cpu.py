@@ -5,10 +5,12 @@ the order on every repetition) and prints, per run, the router's CPU-seconds per
 requests (utime + stime of its process from ``/proc/PID/stat``, over the replay only),
 the schedule-time histogram (``switchyard_router_schedule_seconds``; smg exposes none)
 and the clients' TTFT. ``--micro`` instead times the scheduling lookup per turn in this
-process, with the message cache on and off, alternating. Usage::
+process, with the message cache on and off, alternating; ``--ingest`` times KV-event
+batches applied by the store (each one holds the event loop while it runs). Usage::
 
     python -m bench.router_cpu [multiturn mooncake] [--requests 300] [--repeats 2]
     python -m bench.router_cpu --micro [--requests 600]
+    python -m bench.router_cpu --ingest [--requests 2000]
 
 The fixed-backend figure is ``bench.overhead``'s.
 """
@@ -209,6 +211,46 @@ def micro_bench(args: argparse.Namespace) -> None:
             )
 
 
+async def _ingest_times(engines: int, blocks_per_batch: int, batches: int) -> list[float]:
+    """Seconds per event batch applied by the store (decode, re-key, index), ``engines``
+    publishers taking turns: each batch is one request's new blocks, chained on the last."""
+    from kvstore.memory import MemoryIndex
+    from kvstore.store import KVStore
+    from mockengine.engine.events import BlockStored, KVEventBatch
+    from mockengine.kvevents import encode_batch
+
+    store = KVStore(MemoryIndex(), block_size=16)
+    parents: dict[int, int | None] = {}
+    times: list[float] = []
+    next_hash = 1
+    for n in range(batches):
+        engine = n % engines
+        hashes: list[int | bytes] = list(range(next_hash, next_hash + blocks_per_batch))
+        tokens = [(next_hash * 7 + i) % 8000 for i in range(16 * blocks_per_batch)]
+        event = BlockStored(hashes, parents.get(engine), tokens, 16)
+        payload = encode_batch(KVEventBatch(time.time(), [event]))
+        parents[engine] = next_hash + blocks_per_batch - 1
+        next_hash += blocks_per_batch
+        t0 = time.perf_counter()
+        await store.ingest(f"engine-{engine}", payload, seq=n // engines)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def ingest_bench(args: argparse.Namespace) -> None:
+    """What KV events cost the event loop: per batch (a stall of request handling) and
+    per block, from many engines."""
+    print(f"KV-event ingestion, load {os.getloadavg()[0]:.1f}")
+    for engines, blocks in ((8, 13), (400, 13), (400, 128), (400, 512)):
+        times = sorted(asyncio.run(_ingest_times(engines, blocks, args.requests)))
+        p50, p99 = (percentile(times, q) or 0.0 for q in (50, 99))
+        print(
+            f"{engines:>4} engines, {blocks:>3} blocks/batch: batch p50 {p50 * 1e3:.3f} ms "
+            f"p99 {p99 * 1e3:.3f} ms max {times[-1] * 1e3:.3f} ms; "
+            f"{p50 / blocks * 1e6:.1f} us/block at p50"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.router_cpu", description=__doc__.split("\n")[0]
@@ -221,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speed", type=float, default=10.0, help="mock engine speed-up")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", action="store_true", help="schedule lookup per turn, in-process")
+    ap.add_argument("--ingest", action="store_true", help="KV-event ingestion cost, in-process")
     args = ap.parse_args(argv)
     bad = [w for w in args.workloads if w not in ("multiturn", "mooncake")]
     if bad or args.requests < 1 or args.repeats < 1:
         ap.error(f"workloads are multiturn and mooncake; counts must be positive ({bad or ''})")
-    if args.micro:
+    if args.ingest:
+        ingest_bench(args)
+    elif args.micro:
         micro_bench(args)
     else:
         replay_bench(args)
