@@ -335,5 +335,5 @@ class Forwarder:
         )
 
     def _backoff(self, attempt: int) -> float:
-        base = min(self.backoff_max_s, self.backoff_s * (2 ** (attempt - 1)))
+        base = min(self.backoff_max_s, self.backoff_s * 2.0 ** (attempt - 1))
         return base * self._rng.uniform(0.5, 1.5)

@@ -63,7 +63,7 @@ def test_overlong_request_id_is_replaced_not_echoed(engine: StubBackend, router:
 
 def test_non_printable_request_id_is_replaced(engine: StubBackend, router: str) -> None:
     sent = "caf\u00e9".encode("latin-1")
-    resp = httpx.post(router + "/v1/completions", json=BODY, headers={"x-request-id": sent})
+    resp = httpx.post(router + "/v1/completions", json=BODY, headers=[(b"x-request-id", sent)])
     assert resp.status_code == 200
     assert resp.headers["x-request-id"].isascii()
     assert resp.headers["x-request-id"].encode() != sent

@@ -27,6 +27,7 @@ def test_rss_returns_near_baseline_and_health_answers_during_32mb_bodies(
     """The default policy (kv_aware) would turn such a prompt into millions of token ids;
     beyond kv_max_prompt_tokens it is routed by load instead."""
     server = start_router(stub.url)
+    assert server.proc is not None
     router = psutil.Process(server.proc.pid)
     for _ in range(20):
         httpx.post(server.url + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
