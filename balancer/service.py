@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import Response
@@ -32,12 +32,21 @@ from switchyard.errors import APIError, install_error_handlers
 
 log = logging.getLogger("switchyard.balancer.service")
 
+# Bounds of client-given numbers: beyond them a request is refused (400) rather than
+# skewing the load counters every router shares. 10M tokens exceeds any model's context.
+MAX_PROMPT_TOKENS = 10_000_000
+MAX_RANK = 4095
+MAX_ID_CHARS = 512
+PromptTokens = Annotated[
+    int, Field(ge=0, le=MAX_PROMPT_TOKENS, description="prompt length in tokens")
+]
+
 
 class PickRequest(BaseModel):
-    model: str | None = None
+    model: str | None = Field(None, max_length=MAX_ID_CHARS)
     role: Role = Role.UNIFIED
-    prompt_tokens: int = 0
-    exclude: list[str] = []
+    prompt_tokens: PromptTokens = 0
+    exclude: list[Annotated[str, Field(max_length=MAX_ID_CHARS)]] = Field([], max_length=1024)
     begin: bool = Field(True, description="count the request in flight and return a ticket")
 
 
@@ -51,10 +60,12 @@ class PickResponse(BaseModel):
 
 
 class TicketOpen(BaseModel):
-    worker_id: str
-    prompt_tokens: int = 0
-    rank: int | None = None
-    id: str | None = Field(None, description="client-chosen ticket id (must be unique)")
+    worker_id: str = Field(max_length=MAX_ID_CHARS)
+    prompt_tokens: PromptTokens = 0
+    rank: int | None = Field(None, ge=0, le=MAX_RANK, description="one of the worker's DP ranks")
+    id: str | None = Field(
+        None, max_length=MAX_ID_CHARS, description="client-chosen ticket id (must be unique)"
+    )
 
 
 class TicketEnd(BaseModel):
@@ -232,6 +243,13 @@ def create_app(settings: BalancerSettings | None = None, fleet: Fleet | None = N
     @app.post("/v1/tickets", dependencies=needs_key)
     async def open_ticket(req: TicketOpen) -> dict[str, str]:
         worker = known(req.worker_id)
+        if req.rank is not None and req.rank >= len(worker.ranks):
+            raise APIError(
+                400,
+                f"Worker {worker.id} has DP ranks 0..{len(worker.ranks) - 1}, not {req.rank}",
+                param="rank",
+                code="invalid_rank",
+            )
         if req.id and req.id in tickets.open:
             raise APIError(409, f"Ticket {req.id} exists", param="id", code="ticket_exists")
         ticket = fleet.begin(worker, prompt_tokens=req.prompt_tokens, dp_rank=req.rank)

@@ -10,19 +10,24 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
+from kvstore.allowlist import EndpointAllowList
 from kvstore.events import EventDecodeError
-from kvstore.settings import KVStoreSettings
+from kvstore.settings import KVStoreSettings, zmq_endpoint
 from kvstore.store import KVStore
 from switchyard.auth import admin_access, data_access, startup_line
 from switchyard.errors import APIError, install_error_handlers
 
 log = logging.getLogger("switchyard.kvstore.service")
+
+# Bounds of client-given numbers: a data-parallel rank, and a placement's lifetime.
+MAX_DP_RANK = 4095
+MAX_TTL_S = 86_400.0
 
 
 class LookupRequest(BaseModel):
@@ -69,11 +74,13 @@ class EventsPush(BaseModel):
 
 
 class SubscriptionIn(BaseModel):
-    instance: str
-    endpoint: str = Field(description="The engine's ZMQ PUB endpoint, tcp://HOST:PORT.")
-    replay_endpoint: str | None = None
-    flavor: str = "vllm"
-    dp_rank: int = 0
+    instance: str = Field(max_length=2048)
+    endpoint: str = Field(
+        max_length=2048, description="The engine's ZMQ PUB endpoint, tcp://HOST:PORT."
+    )
+    replay_endpoint: str | None = Field(None, max_length=2048)
+    flavor: Literal["vllm", "sglang"] = "vllm"
+    dp_rank: int = Field(0, ge=0, le=MAX_DP_RANK)
 
 
 class Placement(BaseModel):
@@ -130,6 +137,7 @@ def create_app(store: KVStore, settings: KVStoreSettings | None = None) -> FastA
     install_error_handlers(app)
     lookups = [Depends(data_access(settings.api_key, settings.admin_api_key))]
     admin = [Depends(admin_access(settings.admin_api_key))]
+    allowed = EndpointAllowList.from_settings(settings)
 
     @app.post("/v1/lookup", response_model=LookupResponse, dependencies=lookups)
     async def lookup(req: LookupRequest) -> LookupResponse:
@@ -199,7 +207,17 @@ def create_app(store: KVStore, settings: KVStoreSettings | None = None) -> FastA
 
     @app.post("/v1/subscriptions", status_code=204, dependencies=admin)
     async def subscribe(sub: SubscriptionIn) -> Response:
-        """Follow one more engine publisher (e.g. from the balancer's worker registry)."""
+        """Follow one more engine publisher (e.g. from the balancer's worker registry).
+
+        Both endpoints must be on the allow-list (``kvstore.allowlist``): 403 otherwise."""
+        for param, endpoint in (
+            ("endpoint", sub.endpoint),
+            ("replay_endpoint", sub.replay_endpoint),
+        ):
+            why = None if endpoint is None else allowed.refusal(endpoint)
+            if why is not None:
+                status = 400 if not zmq_endpoint(endpoint or "") else 403
+                raise APIError(status, why, param=param, code="endpoint_not_allowed")
         try:
             store.subscribe(
                 sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank

@@ -81,6 +81,11 @@ class KVStoreSettings(ServiceSettings):
         default=None,
         description="Bearer key for events, placements, subscriptions, instances (off without)",
     )
+    # POST /v1/subscriptions connects only to loopback, the hosts of workers, subscribe and
+    # kv_listen, and these (names, IPs or CIDRs; "*" for any host): see kvstore.allowlist.
+    subscription_hosts: list[str] = Field(
+        default=[], description="more hosts the subscription API may connect to (* for any)"
+    )
     redis_url: str | None = Field(
         default=None,
         validation_alias=AliasChoices("redis_url", "redis"),

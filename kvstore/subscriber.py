@@ -66,6 +66,8 @@ class Subscriber:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception as exc:  # a feed that never connected (bad endpoint) still stops
+                log.warning("%s: subscriber had failed: %s", self.feed.instance, exc)
             self._task = None
 
     async def _run(self) -> None:
