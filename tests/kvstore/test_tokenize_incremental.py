@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +12,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
+from kvstore.store import KVStore
 from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
+from router.kv import EmbeddedPrefixes, KVAwareness
 from router.metrics import KVMetrics
 from tests.support import TOKENIZER_DIR
 
@@ -121,18 +124,33 @@ def test_long_text_tokenized_in_the_thread_gives_the_same_ids_in_request_order()
     tok.close()
 
 
-def test_cache_counters_move_with_hits_and_misses() -> None:
+def test_cache_counters_move_by_what_the_tokenizer_counted_since_the_last_request() -> None:
     registry = CollectorRegistry()
-    counter = KVMetrics(registry).tokenize_cache
+    owner = SimpleNamespace(tokenize_cache=KVMetrics(registry).tokenize_cache, _cache_seen={})
     tok = _ours()
-    tok.encode_chat(_chat(1))
-    tok.encode_chat(_chat(2))
-    for kind, (hits, misses) in tok.cache_stats["by_kind"].items():
-        counter.labels(kind, "hit").inc(hits)
-        counter.labels(kind, "miss").inc(misses)
     value = registry.get_sample_value
-    assert value("switchyard_router_tokenize_cache_total", {"kind": "message", "outcome": "hit"})
-    assert value("switchyard_router_tokenize_cache_total", {"kind": "message", "outcome": "miss"})
+    name = "switchyard_router_tokenize_cache_total"
+    tok.encode_chat(_chat(1))
+    KVAwareness._count_cache(owner, tok)  # type: ignore[arg-type]
+    assert value(name, {"kind": "message", "outcome": "miss"}) == 3
+    assert value(name, {"kind": "message", "outcome": "hit"}) is None
+    tok.encode_chat(_chat(2))
+    KVAwareness._count_cache(owner, tok)  # type: ignore[arg-type]
+    assert value(name, {"kind": "message", "outcome": "hit"}) == 3
+    assert value(name, {"kind": "message", "outcome": "miss"}) == 5
+
+
+def test_a_chat_whose_earlier_turns_are_cached_is_looked_up_whole_a_long_new_one_probed() -> None:
+    async def run() -> tuple[bool, bool]:
+        store = KVStore(block_size=16, tokenizer=_ours())
+        messages = _chat(3)
+        await store.tokenize("m", messages=messages[:-2])
+        later = await EmbeddedPrefixes(store).probe("m", {"messages": messages}, None, ["a"])
+        document = [{"role": "user", "content": "page of text " * OFFLOAD_CHARS}]
+        long_new = await EmbeddedPrefixes(store).probe("m", {"messages": document}, None, ["a"])
+        return later is None, long_new is not None
+
+    assert asyncio.run(run()) == (True, True)
 
 
 _text = st.lists(
