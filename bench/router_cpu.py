@@ -193,6 +193,22 @@ async def _lookup_times(workload: Workload, incremental: bool) -> dict[str, list
     return times
 
 
+def _prompt_times(prompts: list[str], space_cuts: bool) -> tuple[list[float], float]:
+    """Seconds per completion prompt tokenized, and the share of pieces from the cache."""
+    from kvstore.tokenize import RoutingTokenizer
+
+    tok = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
+    if not space_cuts:
+        tok._cuts = tok._cuts[:1]  # newline cuts only, as before space cuts
+    times = []
+    for text in prompts:
+        t0 = time.perf_counter()
+        tok.encode_prompt(text)
+        times.append(time.perf_counter() - t0)
+    hits, misses = tok.cache_stats["by_kind"]["piece"]
+    return times, hits / max(1, hits + misses)
+
+
 def micro_bench(args: argparse.Namespace) -> None:
     workload = workload_for("multiturn", args.requests, args.seed)
     print(f"multiturn, {len(workload.requests)} requests, 8 workers; load {os.getloadavg()[0]:.1f}")
@@ -200,6 +216,18 @@ def micro_bench(args: argparse.Namespace) -> None:
     for repeat in range(args.repeats):
         for label in run_order(["before", "after"], repeat):
             runs[label].append(asyncio.run(_lookup_times(workload, label == "after")))
+    prompts = [
+        str(r.messages[-1]["content"])
+        for r in workload_for("mooncake", args.requests, args.seed).requests
+    ]
+    print(f"mooncake texts as completion prompts: {len(prompts)}, shared prefixes, no newlines")
+    for space_cuts in (False, True, False, True)[: 2 * args.repeats]:
+        times, hit_share = _prompt_times(prompts, space_cuts)
+        how = "newline and space cuts" if space_cuts else "newline cuts only"
+        print(
+            f"{how:>23}: p50 {(percentile(times, 50) or 0) * 1e3:.3f} ms, "
+            f"total {sum(times):.2f} s, pieces from the cache {hit_share:.0%}"
+        )
     for label, results in runs.items():
         for turn in ("turn 1", "turns ≥ 2"):
             values = sorted(v for r in results for v in r[turn])
