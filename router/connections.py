@@ -17,6 +17,7 @@ connection cap answered in the OpenAI error shape:
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class ConnectionLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int  # 0: unbounded
+    retry_after_s: int = 1
 
 
 def _raw_error(status: int, reason: bytes, message: str, code: str) -> bytes:
@@ -46,14 +48,14 @@ def _raw_error(status: int, reason: bytes, message: str, code: str) -> bytes:
     )
 
 
-async def _over_capacity(scope: Any, receive: Any, send: Any) -> None:
+async def _over_capacity(retry_after_s: int, scope: Any, receive: Any, send: Any) -> None:
     body = error_body(
         503, "The router has too many open connections; retry later", code="too_many_connections"
     )
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),
-        (b"retry-after", b"1"),
+        (b"retry-after", str(retry_after_s).encode()),
         (b"x-switchyard-worker", b"none"),
         (b"connection", b"close"),
     ]
@@ -98,7 +100,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             super().on_headers_complete()
             return
         app = self.app
-        self.app = _over_capacity
+        self.app = functools.partial(_over_capacity, self.limits.retry_after_s)
         try:
             super().on_headers_complete()
         finally:
