@@ -215,7 +215,7 @@ def main() -> None:
     for body in bodies:
         body.pop("stream_options")
     real, mock = Trace(), Trace()
-    max_len = args.blocks * BLOCK_SIZE  # vLLM refuses a context longer than its KV cache
+    max_len = (args.blocks - 1) * BLOCK_SIZE  # vLLM: a context must fit its KV cache
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp) / "model", "tiny", max_len)
         opts = EngineOptions(

@@ -119,7 +119,7 @@ class VllmEngine:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        errors = [ln for ln in text if "Error" in ln and not ln.startswith(" ")][-8:]
+        errors = [ln for ln in text if "Error: " in ln][-8:]
         return "\n".join([*errors, "...", *text[-lines:]])
 
     def stop(self, timeout_s: float = 20.0) -> None:
