@@ -27,6 +27,7 @@ order they came.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 from collections import OrderedDict
@@ -74,7 +75,7 @@ _SAMPLE_CHATS: tuple[list[dict[str, Any]], ...] = (
     ],
     [
         {"role": "user", "content": "Start without a system prompt."},
-        {"role": "assistant", "content": "Fine."},
+        {"role": "assistant", "content": "<think>\nShort.\n</think>\n\nFine."},
         {
             "role": "user",
             "content": [{"type": "text", "text": "Parts, "}, {"type": "text", "text": "two."}],
@@ -87,6 +88,23 @@ _SAMPLE_CHATS: tuple[list[dict[str, Any]], ...] = (
         {"role": "user", "content": "Two users in a row."},
     ],
 )
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+# Agent turns: calls, consecutive tool results, an answer after them.
+_TOOL_CHATS: tuple[list[dict[str, Any]], ...] = (
+    [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Look it up."},
+        {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+        {"role": "tool", "content": "result one", "tool_call_id": "call_1"},
+        {"role": "tool", "content": "result two", "tool_call_id": "call_1"},
+        {"role": "assistant", "content": "<think>\nCheck.\n</think>\n\nFound it."},
+        {"role": "user", "content": "Thanks."},
+    ],
+)
+_PLAIN_ROLES = frozenset(("system", "user", "assistant"))
+# What stands before a later message when it is rendered alone: the segment of a message
+# that is not first is its render after this one, minus this one's render.
+_ANCHOR = {"role": "system", "content": "anchor"}
 
 
 @dataclass
@@ -153,26 +171,33 @@ class _ByteLRU:
             self.bytes -= self.cost(dropped)
 
 
-# Hash seeds keep the keys of messages, pieces and engine answers apart.
-_MESSAGE_SEED, _PIECE_SEED, _ENGINE_SEED = 1, 2, 3
+# Hash seeds keep the keys of first and later messages, pieces and engine answers apart.
+_MESSAGE_SEED, _PIECE_SEED, _ENGINE_SEED, _FIRST_MESSAGE_SEED = 1, 2, 3, 4
 
 
 def _digest(text: str, seed: int) -> bytes:
     return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogatepass"), seed)
 
 
-def _message_key(message: Any) -> bytes | None:
-    """A hash of everything the template may read from a message; None if unhashable."""
+def _message_key(message: Any, first: bool) -> bytes | None:
+    """A hash of everything the template may read from a message (and whether it comes
+    first, which templates often render differently); None if unhashable."""
     if not isinstance(message, dict):
         return None
+    seed = _FIRST_MESSAGE_SEED if first else _MESSAGE_SEED
     role, content = message.get("role"), message.get("content")
     if len(message) == 2 and isinstance(role, str) and isinstance(content, str):
-        return _digest(role + "\x00" + content, _MESSAGE_SEED)
+        return _digest(role + "\x00" + content, seed)
     try:
         text = json.dumps(message, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError):
         return None
-    return _digest(text, _MESSAGE_SEED)
+    return _digest(text, seed)
+
+
+def _plain(message: dict[str, Any]) -> bool:
+    """A message of a plain chat: role and text content, no tool fields."""
+    return message.keys() <= {"role", "content"} and message.get("role") in _PLAIN_ROLES
 
 
 @dataclass(frozen=True)
@@ -181,8 +206,11 @@ class _ChatLayout:
 
     prefix: str  # rendered before the first message (e.g. a BOS text)
     prefix_ids: list[int]
-    suffix_ids: list[int]  # the generation prompt
+    suffix: str  # the generation prompt
+    suffix_ids: list[int]
     starts: tuple[str, ...]  # special tokens a message may start with
+    anchor: str  # the render of ``_ANCHOR`` alone
+    tools: bool = False  # tool calls and results also render message by message
 
 
 def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
@@ -211,7 +239,10 @@ def _content_text(content: Any) -> str:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    if not isinstance(content, list):
+        return ""
+    texts = (p.get("text") for p in content if isinstance(p, dict))
+    return "".join(t for t in texts if isinstance(t, str))
 
 
 def _cut_safe(token: AddedToken) -> bool:
@@ -372,9 +403,9 @@ class RoutingTokenizer:
         if self._layout is None:
             return None
         total = 0
-        for m in messages:
-            key = _message_key(m)
-            if key is None:
+        for i, m in enumerate(messages):
+            key = _message_key(m, i == 0)
+            if key is None or not (self._layout.tools or _plain(m)):
                 return None
             if key not in self._cache:
                 total += len(_content_text(m.get("content"))) + 16
@@ -418,13 +449,15 @@ class RoutingTokenizer:
             return self._text_plan(self.render_chat(messages, add_generation_prompt))
         parts: list[list[int] | _Piece] = [layout.prefix_ids]
         texts: list[_Text] = []
-        for m in messages:
-            key = _message_key(m)
-            ids = self._cache.get(key, "message") if key is not None else None
+        for i, m in enumerate(messages):
+            key = _message_key(m, i == 0)
+            if key is None or not (layout.tools or _plain(m)):
+                return self._text_plan(self.render_chat(messages, add_generation_prompt))
+            ids = self._cache.get(key, "message")
             if ids is not None:
                 parts.append(ids)
                 continue
-            segment = self._segment(m, layout) if key is not None else None
+            segment = self._segment(m, layout, i == 0)
             if segment is None:
                 return self._text_plan(self.render_chat(messages, add_generation_prompt))
             text = self._text_plan(segment, key)
@@ -434,15 +467,20 @@ class RoutingTokenizer:
             parts.append(layout.suffix_ids)
         return _Text(parts, children=texts)
 
-    def _segment(self, message: dict[str, Any], layout: _ChatLayout) -> str | None:
-        """One message rendered alone, when it starts at a boundary no token crosses."""
+    def _segment(self, message: dict[str, Any], layout: _ChatLayout, first: bool) -> str | None:
+        """One message's part of a render, when it starts at a boundary no token crosses.
+
+        The first message is rendered alone; a later one after ``_ANCHOR``, less the
+        anchor's own render (so "first message" rules of a template do not apply to it).
+        """
+        before = layout.prefix if first else layout.anchor
         try:
-            text = self.render_chat([message], add_generation_prompt=False)
+            text = self.render_chat([message] if first else [_ANCHOR, message], False)
         except Exception:
             return None
-        if not text.startswith(layout.prefix):
+        if not text.startswith(before):
             return None
-        text = text[len(layout.prefix) :]
+        text = text[len(before) :]
         return text if text.startswith(layout.starts) else None
 
     @staticmethod
@@ -567,12 +605,15 @@ class RoutingTokenizer:
 
         Needs a template, special tokens to cut at, each message starting with one, and
         the same text and ids as the full render (with and without the generation prompt).
+        Tool calls and results are checked apart: a template that groups them renders
+        plain chats message by message still.
         """
         if self._template is None or self._tok is None or self._split is None:
             return None
         try:
             prefix = self.render_chat([], add_generation_prompt=False)
             with_prompt = self.render_chat([], add_generation_prompt=True)
+            anchor = self.render_chat([_ANCHOR], add_generation_prompt=False)
         except Exception:
             return None
         if not with_prompt.startswith(prefix):
@@ -584,29 +625,41 @@ class RoutingTokenizer:
         layout = _ChatLayout(
             prefix,
             enc(prefix, add_special_tokens=False).ids if prefix else [],
+            suffix,
             enc(suffix, add_special_tokens=False).ids if suffix else [],
             specials,
+            anchor,
         )
-        for chat in _SAMPLE_CHATS:
-            segments = [self._segment(m, layout) for m in chat]
-            if any(s is None for s in segments):
-                return None
-            for agp in (False, True):
-                try:
-                    full = self.render_chat(chat, add_generation_prompt=agp)
-                except Exception:
-                    return None
-                joined = prefix + "".join(s for s in segments if s) + (suffix if agp else "")
-                if joined != full:
-                    return None
-                ids = list(layout.prefix_ids)
-                for s in segments:
-                    ids += enc(s or "", add_special_tokens=False).ids
-                if agp:
-                    ids += layout.suffix_ids
-                if ids != enc(full, add_special_tokens=False).ids:
-                    return None
-        return layout
+        if not all(self._renders_alike(chat, layout) for chat in _SAMPLE_CHATS):
+            return None
+        tools = all(self._renders_alike(chat, layout) for chat in _TOOL_CHATS)
+        return dataclasses.replace(layout, tools=tools)
+
+    def _renders_alike(self, chat: list[dict[str, Any]], layout: _ChatLayout) -> bool:
+        """Whether ``chat`` joined from its segments gives the full render's text and ids."""
+        assert self._tok is not None
+        enc = self._tok.encode
+        segments = [self._segment(m, layout, i == 0) for i, m in enumerate(chat)]
+        if any(s is None for s in segments):
+            return False
+        for agp in (False, True):
+            try:
+                full = self.render_chat(chat, add_generation_prompt=agp)
+            except Exception:
+                return False
+            joined = (
+                layout.prefix + "".join(s for s in segments if s) + (layout.suffix if agp else "")
+            )
+            if joined != full:
+                return False
+            ids = list(layout.prefix_ids)
+            for s in segments:
+                ids += enc(s or "", add_special_tokens=False).ids
+            if agp:
+                ids += layout.suffix_ids
+            if ids != enc(full, add_special_tokens=False).ids:
+                return False
+        return True
 
     def _approx(self, text: str) -> list[int]:
         h = xxhash.xxh32_intdigest

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from types import SimpleNamespace
 from typing import Any
 
@@ -60,26 +59,57 @@ def test_a_later_turn_tokenizes_only_the_answer_and_question_it_adds() -> None:
     assert tok.uncached_chars(_chat(4)[:-1]) == 0
 
 
-def test_a_template_whose_messages_depend_on_each_other_falls_back_to_a_full_render() -> None:
-    cfg = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
-    # The first message gets a header the others do not: a message alone renders differently.
-    template = (
-        "{% for m in messages %}{% if loop.first %}<|im_start|>system\nheader<|im_end|>\n"
-        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+def _with_template(template: str) -> RoutingTokenizer:
+    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    return RoutingTokenizer(tokenizer=hf, chat_template=template)
+
+
+def test_a_template_numbering_its_messages_falls_back_to_a_full_render() -> None:
+    tok = _with_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ loop.index }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
-    assert template != cfg["chat_template"]
-    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    tok = RoutingTokenizer(tokenizer=hf, chat_template=template)
     assert not tok.incremental and tok.uncached_chars(_chat(2)) is None
-    messages = _chat(2)
-    assert tok.encode_chat(messages) == _full(tok, messages)
+    assert tok.encode_chat(_chat(2)) == _full(tok, _chat(2))
+
+
+def test_a_default_system_prompt_before_a_first_user_message_still_goes_incremental() -> None:
+    # As Qwen2.5's template: a chat not opened by a system message gets a default one.
+    tok = _with_template(
+        "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+        "<|im_start|>system\nDefault.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert tok.incremental
+    no_system = _chat(3)[1:]
+    for messages in (_chat(3), no_system, no_system[:-2]):
+        assert tok.encode_chat(messages) == _full(tok, messages)
+
+
+def test_a_template_grouping_tool_results_goes_incremental_for_plain_chats_only() -> None:
+    # As Qwen's templates: consecutive tool results share one user turn.
+    tok = _with_template(
+        "{% for m in messages %}{% if m['role'] == 'tool' %}"
+        "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+        "<|im_start|>user{% endif %}\n<tool_response>{{ m['content'] }}</tool_response>"
+        "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n"
+        "{% endif %}{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert tok.incremental and tok.uncached_chars(_chat(2)) is not None
+    tools = [
+        *_chat(1),
+        {"role": "tool", "content": "one", "tool_call_id": "a"},
+        {"role": "tool", "content": "two", "tool_call_id": "b"},
+    ]
+    assert tok.uncached_chars(tools) is None
+    assert tok.encode_chat(tools) == _full(tok, tools)
 
 
 def test_a_template_without_special_tokens_between_messages_falls_back() -> None:
-    hf = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    tok = RoutingTokenizer(tokenizer=hf, chat_template=template)
+    tok = _with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     assert not tok.incremental
     assert tok.encode_chat(_chat(2)) == _full(tok, _chat(2))
 
