@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request, Response
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvstore.allowlist import EndpointAllowList
 from kvstore.events import EventDecodeError
@@ -25,16 +26,35 @@ from switchyard.errors import APIError, install_error_handlers
 
 log = logging.getLogger("switchyard.kvstore.service")
 
-# Bounds of client-given numbers: a data-parallel rank, and a placement's lifetime.
+# Bounds of client-given numbers: a data-parallel rank, a placement's lifetime, token ids
+# (uint32, as block keys hash them) and block keys (uint64).
 MAX_DP_RANK = 4095
 MAX_TTL_S = 86_400.0
+TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+BlockKey = Annotated[int, Field(ge=0, lt=2**64)]
+
+
+class ContentPart(BaseModel):
+    """A chat content part as the router accepts it: a string ``type``; ``text`` a string."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message as the router accepts it: a string role; text or parts as content."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
 
 
 class LookupRequest(BaseModel):
     model: str | None = None
-    prompt: str | list[int] | None = Field(None, description="Completion prompt or token ids.")
-    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages.")
-    token_ids: list[int] | None = None
+    prompt: str | list[TokenId] | None = Field(None, description="Completion prompt or token ids.")
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages.")
+    token_ids: list[TokenId] | None = None
     candidates: list[str] | None = Field(None, description="Only these instances (base URLs).")
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -84,10 +104,10 @@ class SubscriptionIn(BaseModel):
 
 
 class Placement(BaseModel):
-    keys: list[int]
-    instance: str
-    dp_rank: int = 0
-    ttl_s: float | None = None
+    keys: list[BlockKey]
+    instance: str = Field(max_length=2048)
+    dp_rank: int = Field(0, ge=0, le=MAX_DP_RANK)
+    ttl_s: float | None = Field(None, gt=0, le=MAX_TTL_S)
 
 
 class LocationOut(BaseModel):
@@ -144,15 +164,23 @@ def create_app(store: KVStore, settings: KVStoreSettings | None = None) -> FastA
         """Per engine location, the longest cached prefix of this request, in tokens."""
         if req.prompt is None and req.messages is None and req.token_ids is None:
             raise APIError(400, "One of prompt, messages or token_ids is required")
-        res = await store.lookup(
-            req.model,
-            prompt=req.prompt,
-            messages=req.messages,
-            token_ids=req.token_ids,
-            candidates=req.candidates,
-            lora_name=req.lora_name,
-            cache_salt=req.cache_salt,
-        )
+        messages = None
+        if req.messages is not None:
+            messages = [m.model_dump(exclude_unset=True) for m in req.messages]
+        try:
+            res = await store.lookup(
+                req.model,
+                prompt=req.prompt,
+                messages=messages,
+                token_ids=req.token_ids,
+                candidates=req.candidates,
+                lora_name=req.lora_name,
+                cache_salt=req.cache_salt,
+            )
+        except TemplateError as exc:
+            raise APIError(
+                400, f"The chat template refused these messages: {exc}", param="messages"
+            ) from exc
         return LookupResponse(
             block_size=res.block_size,
             total_tokens=res.total_tokens,
