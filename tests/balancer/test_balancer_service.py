@@ -8,9 +8,12 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+from fastapi.testclient import TestClient
 
 from balancer import Outcome, WorkerSpec
 from balancer.remote import RemoteFleet
+from balancer.service import MAX_PROMPT_TOKENS, create_app
+from balancer.settings import BalancerSettings
 from tests.balancer.fleet_stubs import StubEngine, StubFactory
 from tests.support import Server, free_port, redis_server
 
@@ -253,3 +256,44 @@ async def test_remote_fleet_registers_workers_added_before_start(
                 assert stub.url in await workers(client, svc)
         finally:
             await fleet.stop()
+
+
+# -- numeric inputs are bounded ------------------------------------------------------------
+
+WORKER = "http://127.0.0.1:9"
+
+
+@pytest.fixture
+def service() -> Iterator[TestClient]:
+    settings = BalancerSettings.load(None, workers=[f"{WORKER};dp=2"])
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        yield client
+
+
+def bad_request(resp: httpx.Response, param: str) -> None:
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+@pytest.mark.parametrize("tokens", [10**29, -5, MAX_PROMPT_TOKENS + 1])
+def test_prompt_tokens_outside_their_bounds_are_a_400(service: TestClient, tokens: int) -> None:
+    bad_request(service.post("/v1/pick", json={"prompt_tokens": tokens}), "prompt_tokens")
+    ticket = {"worker_id": WORKER, "prompt_tokens": tokens}
+    bad_request(service.post("/v1/tickets", json=ticket), "prompt_tokens")
+
+
+def test_a_ticket_for_a_rank_the_worker_does_not_have_is_a_400(service: TestClient) -> None:
+    bad_request(service.post("/v1/tickets", json={"worker_id": WORKER, "rank": 2}), "rank")
+    bad_request(service.post("/v1/tickets", json={"worker_id": WORKER, "rank": -1}), "rank")
+    assert service.post("/v1/tickets", json={"worker_id": WORKER, "rank": 1}).status_code == 200
+
+
+def test_tickets_need_the_data_key_when_one_is_set() -> None:
+    settings = BalancerSettings.load(None, workers=[WORKER], api_key="reader")
+    with TestClient(create_app(settings), raise_server_exceptions=False) as client:
+        assert client.post("/v1/tickets", json={"worker_id": WORKER}).status_code == 401
+        reader = {"Authorization": "Bearer reader"}
+        opened = client.post("/v1/tickets", json={"worker_id": WORKER}, headers=reader)
+        assert opened.status_code == 200

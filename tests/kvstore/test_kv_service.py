@@ -5,15 +5,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import msgpack
 import pytest
+from fastapi.testclient import TestClient
 
+from kvstore.allowlist import EndpointAllowList
 from kvstore.index import Location
 from kvstore.redis_index import RedisIndex
 from kvstore.remote import RemoteKVStore
 from kvstore.service import create_app
+from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from tests.support import TOKENIZER_DIR, Server, free_port, redis_server
 
@@ -172,3 +177,94 @@ def test_the_service_api_is_openapi_documented() -> None:
     paths = create_app(KVStore(block_size=16)).openapi()["paths"]
     assert {"/v1/lookup", "/v1/events", "/v1/instances", "/v1/instances/{instance}"} <= set(paths)
     assert "delete" in paths["/v1/instances/{instance}"]
+
+
+# -- what a caller holding the admin key can and cannot make the store do ---------------------
+
+
+@pytest.fixture
+def kv_client() -> Iterator[TestClient]:
+    settings = KVStoreSettings.load(None, admin_api_key=ADMIN_KEY, workers=["http://10.1.2.3:8000"])
+    with TestClient(
+        create_app(KVStore(block_size=16), settings), raise_server_exceptions=False
+    ) as client:
+        yield client
+
+
+def error_of(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    error: dict[str, Any] = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def subscribe(client: TestClient, endpoint: str) -> httpx.Response:
+    body = {"instance": E, "endpoint": endpoint}
+    return client.post("/v1/subscriptions", json=body, headers=ADMIN)
+
+
+def test_a_subscription_to_a_host_outside_the_fleet_is_refused(kv_client: TestClient) -> None:
+    outside = ("tcp://169.254.169.254:80", "tcp://10.9.9.9:5557", "tcp://redis:6379", "ipc:///x")
+    for endpoint in outside:
+        error = error_of(subscribe(kv_client, endpoint), 403)
+        assert error["code"] == "endpoint_not_allowed" and error["param"] == "endpoint"
+
+
+def test_subscriptions_to_loopback_and_the_configured_workers_host_are_taken(
+    kv_client: TestClient,
+) -> None:
+    for endpoint in ("tcp://127.0.0.1:5557", "tcp://localhost:5558", "tcp://10.1.2.3:5557"):
+        assert subscribe(kv_client, endpoint).status_code == 204
+
+
+def test_an_endpoint_that_is_not_tcp_host_port_is_a_400(kv_client: TestClient) -> None:
+    for endpoint in ("http://127.0.0.1:80", "tcp://127.0.0.1", ""):
+        assert error_of(subscribe(kv_client, endpoint), 400)["param"] == "endpoint"
+
+
+def test_a_replay_endpoint_outside_the_fleet_is_refused(kv_client: TestClient) -> None:
+    body = {
+        "instance": E,
+        "endpoint": "tcp://127.0.0.1:5557",
+        "replay_endpoint": "tcp://192.168.0.1:5558",
+    }
+    resp = kv_client.post("/v1/subscriptions", json=body, headers=ADMIN)
+    assert error_of(resp, 403)["param"] == "replay_endpoint"
+
+
+def test_subscription_hosts_widen_the_allow_list() -> None:
+    settings = KVStoreSettings.load(
+        None, admin_api_key=ADMIN_KEY, subscription_hosts=["10.0.0.0/8", "engine-a"]
+    )
+    allowed = EndpointAllowList.from_settings(settings)
+    assert allowed.allows("tcp://10.200.1.1:5557") and allowed.allows("tcp://engine-a:5557")
+    assert not allowed.allows("tcp://11.0.0.1:5557") and not allowed.allows("tcp://engine-b:1")
+    assert EndpointAllowList(["*"]).allows("tcp://anywhere:1")
+
+
+async def test_unsubscribing_a_publisher_whose_feed_failed_is_not_an_error() -> None:
+    store = KVStore(block_size=16)
+    await store.start()
+    try:
+        store.subscribe(E, "tcp://no such host:5557")  # connect fails inside the feed's task
+        await asyncio.sleep(0.05)
+        await store.unsubscribe("tcp://no such host:5557")
+        assert store.feeds() == []
+    finally:
+        await store.stop()
+
+
+def test_a_chat_part_whose_text_is_not_a_string_is_a_400(kv_client: TestClient) -> None:
+    for content in ([{"type": "text", "text": 5}], 5, [{"text": "no type"}]):
+        body = {"messages": [{"role": "user", "content": content}]}
+        error = error_of(kv_client.post("/v1/lookup", json=body), 400)
+        assert error["param"] and error["param"].startswith("messages")
+
+
+def test_token_ids_and_placement_keys_outside_their_ranges_are_400s(
+    kv_client: TestClient,
+) -> None:
+    error_of(kv_client.post("/v1/lookup", json={"token_ids": [-1]}), 400)
+    error_of(kv_client.post("/v1/lookup", json={"token_ids": [2**32]}), 400)
+    placement = {"keys": [2**64], "instance": E}
+    error_of(kv_client.post("/v1/placements", json=placement, headers=ADMIN), 400)
