@@ -1,0 +1,336 @@
+"""Fault matrix: a router and mock engines on loopback, one fault per row, under load.
+
+Each row starts a fresh fleet (router, two mock engines, and Redis, a kvstore service or a
+P/D pair where the row needs them), sends ``--requests`` requests at ``--concurrency``
+(streamed and not, alternately), injects its fault a moment into the load, undoes it (the
+engine, Redis or kvstore restarted on its port, the fault flags cleared), then checks that
+the same router answers again: "recovered without restart". Every request ends in one of
+
+- ok: a 200 with a complete answer (a stream ends with ``[DONE]`` and no error event);
+- clean error: an OpenAI-shaped error (4xx/5xx body or a stream's error event), or a
+  connection refused before the request was sent (the router had stopped listening);
+- cut: a stream that ended without ``[DONE]`` and without an error event;
+- hung: no answer within ``--hang-s``;
+- lost: the connection closed after the request was sent, with no answer at all.
+
+Hung and lost must be 0. Bounded: every request has a deadline, every row a fleet that is
+stopped at its end. ``python -m bench.faults --requests 24`` prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loadtest.procs import Server, free_port, redis_server
+
+MODEL = "mock-model"
+CLEAR = {
+    "error_rate": 0.0,
+    "latency_rate": 0.0,
+    "hang_rate": 0.0,
+    "slow_stream_ms": 0.0,
+    "drop_after_tokens": 0,
+}
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    ok: int = 0
+    clean: int = 0
+    cut: int = 0
+    hung: int = 0
+    lost: int = 0
+    slowest_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, outcome: str, took_s: float) -> None:
+        with self.lock:
+            self.sent += 1
+            setattr(self, outcome, getattr(self, outcome) + 1)
+            self.slowest_s = max(self.slowest_s, took_s)
+
+
+@dataclass
+class Row:
+    name: str
+    tally: Tally
+    recovered: str
+    note: str = ""
+
+
+def openai_error(body: bytes) -> bool:
+    try:
+        error = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and "message" in error
+
+
+def one_request(url: str, i: int, hang_s: float) -> str:
+    """Send request ``i`` (streamed when even) and classify how it ended."""
+    body = {"model": MODEL, "prompt": f"fault matrix request {i} " * 8, "max_tokens": 12}
+    stream = i % 2 == 0
+    timeout = httpx.Timeout(hang_s, connect=3.0)
+    answered = False
+    try:
+        if not stream:
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=timeout)
+            if resp.status_code == 200 and "choices" in resp.json():
+                return "ok"
+            return "clean" if openai_error(resp.content) else "cut"
+        with httpx.stream(
+            "POST", url + "/v1/completions", json={**body, "stream": True}, timeout=timeout
+        ) as resp:
+            answered = True
+            if resp.status_code != 200:
+                return "clean" if openai_error(resp.read()) else "cut"
+            events = [e for e in resp.read().split(b"\n\n") if e.strip()]
+    except httpx.ConnectError:
+        return "clean"
+    except httpx.TimeoutException:
+        return "hung"
+    except (httpx.RemoteProtocolError, httpx.ReadError):
+        return "cut" if answered else "lost"
+    if any(e.startswith(b"data: ") and openai_error(e[6:]) for e in events):
+        return "clean"
+    return "ok" if events and events[-1].strip() == b"data: [DONE]" else "cut"
+
+
+def load(url: str, requests: int, concurrency: int, hang_s: float, tally: Tally) -> None:
+    def run(i: int) -> None:
+        began = time.monotonic()
+        tally.add(one_request(url, i, hang_s), time.monotonic() - began)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(run, range(requests)))
+
+
+def recovered(url: str, within_s: float, hang_s: float) -> str:
+    """Whether 6 requests in a row answer ok within ``within_s``, the router not restarted."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if all(one_request(url, i, min(hang_s, 10.0)) == "ok" for i in range(6)):
+            return "yes"
+        time.sleep(0.5)
+    return "no"
+
+
+def mock(*args: str, port: int | None = None, speed: float = 20.0) -> Server:
+    port = port or free_port()
+    return Server(["mock", "--port", str(port), "--speed", str(speed), *args], port)
+
+
+def faults(engine: Server, **flags: object) -> None:
+    httpx.post(engine.url + "/admin/faults", json={**CLEAR, **flags}, timeout=5).raise_for_status()
+
+
+def injector(engine: Server, flags: dict[str, object]) -> Callable[[], None]:
+    return lambda: faults(engine, **flags)
+
+
+@dataclass
+class Fleet:
+    router: Server
+    engines: list[Server]
+    extra: dict[str, Server] = field(default_factory=dict)
+
+
+@contextmanager
+def fleet(
+    *router_args: str,
+    engine_args: tuple[str, ...] = (),
+    pd: bool = False,
+    kv_events: bool = False,
+    extra: dict[str, Server] | None = None,
+) -> Iterator[Fleet]:
+    """Two mock engines (or a prefill and a decode one) and a router in front, all stopped
+    at the end whatever happened."""
+    with ExitStack() as stack:
+        engines: list[Server] = []
+        roles = ("prefill", "decode") if pd else ("unified", "unified")
+        args: list[str] = ["--shutdown-timeout-s", "5", "--first-byte-timeout-s", "15"]
+        for role in roles:
+            events = ["--kv-events-port", str(free_port())] if kv_events else []
+            engine = mock("--role", role, *events, *engine_args)
+            stack.callback(engine.stop)
+            engines.append(engine.start())
+            spec = f"{engine.url};models={MODEL}"
+            flag = f"--{role}" if pd else "--worker"
+            args += [flag, spec]
+            if kv_events:
+                args += ["--kv-events", f"{engine.url}=tcp://127.0.0.1:{events[1]}"]
+        if pd:
+            args += ["--pd-protocol", "vllm"]
+        port = free_port()
+        router = Server(["router", "--port", str(port), *args, *router_args], port)
+        stack.callback(router.stop)
+        router.start()
+        yield Fleet(router, engines, extra or {})
+
+
+def under_load(
+    name: str,
+    front: Fleet,
+    inject: Callable[[], object],
+    undo: Callable[[], object],
+    opts: argparse.Namespace,
+    note: str = "",
+) -> Row:
+    """Load; the fault a moment in; undone once the load ends; then the recovery probe."""
+    tally = Tally()
+    worker = threading.Thread(
+        target=load, args=(front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
+    )
+    worker.start()
+    time.sleep(opts.inject_after_s)
+    inject()
+    worker.join()
+    undo()
+    return Row(name, tally, recovered(front.router.url, opts.recover_s, opts.hang_s), note)
+
+
+def engine_rows(opts: argparse.Namespace) -> Iterator[Row]:
+    scenarios: list[tuple[str, dict[str, object]]] = [
+        ("engine hang", {"hang_rate": 1.0}),
+        ("engine 5xx burst", {"error_rate": 1.0, "error_codes": [500, 503]}),
+        ("engine slow", {"latency_rate": 1.0, "latency_ms": 1500.0, "slow_stream_ms": 50.0}),
+        ("dropped stream", {"drop_after_tokens": 3, "drop_rate": 1.0}),
+    ]
+    with fleet("--policy", "round_robin") as front:
+        a = front.engines[0]
+        yield under_load("engine SIGKILL", front, a.kill, a.start, opts)
+        for name, flags in scenarios:
+            yield under_load(name, front, injector(a, flags), lambda: faults(a), opts)
+
+
+def redis_row(opts: argparse.Namespace) -> Row:
+    port = free_port()
+    with ExitStack() as stack:
+        url, proc = stack.enter_context(redis_server(port))
+        holder = {"proc": proc}
+        front = stack.enter_context(fleet("--redis", url, "--policy", "kv_aware"))
+
+        def down() -> None:
+            holder["proc"].kill()
+            holder["proc"].wait(timeout=5)
+
+        def up() -> None:
+            holder["proc"] = stack.enter_context(redis_server(port))[1]
+
+        return under_load("Redis down and up", front, down, up, opts)
+
+
+def kvstore_row(opts: argparse.Namespace) -> Row:
+    port = free_port()
+    kvstore = Server(["kvstore", "--port", str(port)], port)
+    with ExitStack() as stack:
+        stack.callback(kvstore.stop)
+        kvstore.start()
+        front = stack.enter_context(fleet("--kvstore", kvstore.url, "--policy", "kv_aware"))
+        return under_load("kvstore down and up", front, kvstore.kill, kvstore.start, opts)
+
+
+def kv_gap_row(opts: argparse.Namespace) -> Row:
+    with fleet("--policy", "kv_aware", kv_events=True) as front:
+        a = front.engines[0]
+        return under_load("KV-event gap", front, lambda: faults(a, kv_gap=5), lambda: None, opts)
+
+
+def pd_rows(opts: argparse.Namespace) -> Iterator[Row]:
+    with fleet(pd=True) as front:
+        prefill, decode = front.engines
+        yield under_load(
+            "P/D prefill 5xx",
+            front,
+            lambda: faults(prefill, error_rate=1.0),
+            lambda: faults(prefill),
+            opts,
+        )
+        yield under_load("P/D decode SIGKILL", front, decode.kill, decode.start, opts)
+
+
+def sigterm_row(opts: argparse.Namespace) -> Row:
+    with fleet("--policy", "round_robin", engine_args=("--fault-slow-stream-ms", "100")) as front:
+        tally = Tally()
+        args = (front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
+        worker = threading.Thread(target=load, args=args)
+        worker.start()
+        time.sleep(opts.inject_after_s)
+        assert front.router.proc is not None
+        began = time.monotonic()
+        front.router.proc.send_signal(signal.SIGTERM)
+        try:
+            front.router.proc.wait(timeout=30)
+            exited = f"exited in {time.monotonic() - began:.1f} s (timeout 5 s)"
+        except Exception:
+            exited = "did not exit within 30 s"
+        worker.join()
+        return Row("router SIGTERM", tally, "n/a", exited)
+
+
+ROWS: dict[str, Callable[[argparse.Namespace], Iterator[Row]]] = {
+    "engine": engine_rows,
+    "redis": lambda o: iter([redis_row(o)]),
+    "kvstore": lambda o: iter([kvstore_row(o)]),
+    "kv_gap": lambda o: iter([kv_gap_row(o)]),
+    "pd": pd_rows,
+    "sigterm": lambda o: iter([sigterm_row(o)]),
+}
+
+
+def table(rows: list[Row]) -> str:
+    head = "| scenario | sent | ok | clean errors | cut streams | hung | lost | slowest s |"
+    head += " recovered without restart | note |\n|" + "---|" * 10
+    lines = [head]
+    for r in rows:
+        t = r.tally
+        lines.append(
+            f"| {r.name} | {t.sent} | {t.ok} | {t.clean} | {t.cut} | {t.hung} | {t.lost} "
+            f"| {t.slowest_s:.1f} | {r.recovered} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=40, help="requests per row")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--hang-s", type=float, default=30.0, help="a request this late hung")
+    parser.add_argument("--inject-after-s", type=float, default=0.5)
+    parser.add_argument("--recover-s", type=float, default=20.0, help="recovery probe window")
+    parser.add_argument("--only", choices=sorted(ROWS), action="append", help="rows to run")
+    parser.add_argument("--out", type=Path, help="also write the table here")
+    opts = parser.parse_args(argv)
+    if opts.requests < 1 or opts.concurrency < 1:
+        parser.error("--requests and --concurrency must be at least 1")
+    rows: list[Row] = []
+    for name in opts.only or list(ROWS):
+        try:
+            for row in ROWS[name](opts):
+                rows.append(row)
+                print(table([row]).splitlines()[-1], flush=True)
+        except Exception as exc:  # a row that could not run is reported, the others still run
+            rows.append(Row(name, Tally(), "not run", " ".join(str(exc).split())[:200]))
+    text = table(rows)
+    print(text)
+    if opts.out:
+        opts.out.write_text(text + "\n")
+    bad = any(r.tally.hung or r.tally.lost for r in rows)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
