@@ -12,7 +12,7 @@ import zmq
 
 from loadtest.prom import values
 from switchyard.realvllm import BLOCK_SIZE, VllmEngine
-from tests.real.conftest import MODEL, reset_caches
+from tests.real.conftest import ADMIN_API_KEY, MODEL, reset_caches
 from tests.support import TOKENIZER_DIR, Server, free_port, metric
 
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
@@ -42,7 +42,8 @@ def wait_for(check: object, timeout_s: float = 20.0) -> None:
 
 
 def counters(router: Server) -> tuple[float, float]:
-    text = httpx.get(router.url + "/metrics", timeout=10).text
+    admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
+    text = httpx.get(router.url + "/metrics", headers=admin, timeout=10).text
     return metric(text, PREDICTED), metric(text, ACTUAL)
 
 
