@@ -212,10 +212,10 @@ def _prompt_times(prompts: list[str], space_cuts: bool) -> tuple[list[float], fl
 def micro_bench(args: argparse.Namespace) -> None:
     workload = workload_for("multiturn", args.requests, args.seed)
     print(f"multiturn, {len(workload.requests)} requests, 8 workers; load {os.getloadavg()[0]:.1f}")
-    runs: dict[str, list[dict[str, list[float]]]] = {"before": [], "after": []}
+    runs: dict[str, list[dict[str, list[float]]]] = {"cache off": [], "cache on": []}
     for repeat in range(args.repeats):
-        for label in run_order(["before", "after"], repeat):
-            runs[label].append(asyncio.run(_lookup_times(workload, label == "after")))
+        for label in run_order(["cache off", "cache on"], repeat):
+            runs[label].append(asyncio.run(_lookup_times(workload, label == "cache on")))
     prompts = [
         str(r.messages[-1]["content"])
         for r in workload_for("mooncake", args.requests, args.seed).requests
@@ -232,9 +232,9 @@ def micro_bench(args: argparse.Namespace) -> None:
         for turn in ("turn 1", "turns ≥ 2"):
             values = sorted(v for r in results for v in r[turn])
             p50, p90 = (percentile(values, q) or 0.0 for q in (50, 90))
-            how = "message cache" if label == "after" else "full render + head probe"
+            how = "by message" if label == "cache on" else "full render + head probe"
             print(
-                f"{label:>6} ({how}) {turn:>9}: n={len(values)} "
+                f"message {label:>9} ({how}) {turn:>9}: n={len(values)} "
                 f"p50={p50 * 1e3:.3f} ms p90={p90 * 1e3:.3f} ms"
             )
 
