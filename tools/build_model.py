@@ -37,6 +37,8 @@ def main() -> None:
         print(model)
         return
     opts = EngineOptions(max_model_len=args.max_model_len)
+    # Held, not handled: sigwait below takes them, so the engines are always stopped.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     engines = start_engines(model, args.engines, opts)
     for e in engines:
         line = {"url": e.url, "kv_events": e.kv_events, "kv_replay": e.kv_replay}
