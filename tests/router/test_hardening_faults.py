@@ -68,7 +68,10 @@ def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     every request is answered within 20 s, and the engine stops getting traffic."""
     stub.state.hang = True
     stub2.state.chunk_interval_s = 0.001
-    router = start_router(stub.url, stub2.url, args=("--policy", "round_robin")).url
+    held_open = {"balancer": {"cb_open_timeout_s": 60}}
+    router = start_router(
+        stub.url, stub2.url, config=held_open, args=("--policy", "round_robin")
+    ).url
 
     def one(i: int) -> tuple[int, float]:
         began = time.monotonic()
@@ -88,6 +91,10 @@ def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     assert httpx.get(stub.url + "/health").status_code == 200
     metrics = httpx.get(router + "/metrics").text
     assert metric(metrics, "switchyard_router_worker_routable", worker=stub.url) == 0.0
+    hung_saw = stub.state.requests
+    after = [httpx.post(router + "/v1/completions", json=BODY) for _ in range(4)]
+    assert [r.status_code for r in after] == [200] * 4
+    assert stub.state.requests == hung_saw
 
 
 def _expected(predicted_s: float) -> Expected:
