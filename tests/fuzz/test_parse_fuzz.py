@@ -22,7 +22,7 @@ from tests.support import TOKENIZER_DIR
 pytestmark = pytest.mark.timeout(120)
 
 BOUNDED = settings(
-    max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=60, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow]
 )
 ROUTES = st.sampled_from([CHAT, COMPLETIONS, EMBEDDINGS])
 TEXT = st.text(max_size=40)

@@ -32,7 +32,7 @@ ADMIN_KEY = "fuzz-admin"
 DATA_KEY = "fuzz-data"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 WORKER = "http://127.0.0.1:9"  # nothing listens there: a worker that is never routable
-EXAMPLES = int(os.environ.get("SWITCHYARD_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("SWITCHYARD_FUZZ_EXAMPLES", "15"))
 
 
 def router() -> ASGIApp:
