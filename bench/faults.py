@@ -36,6 +36,7 @@ import httpx
 from loadtest.procs import Server, free_port, redis_server
 
 MODEL = "mock-model"
+START_S = 90.0  # a process may start slowly on a loaded machine
 CLEAR = {
     "error_rate": 0.0,
     "latency_rate": 0.0,
@@ -53,12 +54,16 @@ class Tally:
     cut: int = 0
     hung: int = 0
     lost: int = 0
+    refused: int = 0
     slowest_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, outcome: str, took_s: float) -> None:
         with self.lock:
             self.sent += 1
+            if outcome == "refused":  # never sent: a clean error the client can retry
+                self.refused += 1
+                outcome = "clean"
             setattr(self, outcome, getattr(self, outcome) + 1)
             self.slowest_s = max(self.slowest_s, took_s)
 
@@ -99,7 +104,7 @@ def one_request(url: str, i: int, hang_s: float) -> str:
                 return "clean" if openai_error(resp.read()) else "cut"
             events = [e for e in resp.read().split(b"\n\n") if e.strip()]
     except httpx.ConnectError:
-        return "clean"
+        return "refused"
     except httpx.TimeoutException:
         return "hung"
     except (httpx.RemoteProtocolError, httpx.ReadError):
@@ -130,7 +135,8 @@ def recovered(url: str, within_s: float, hang_s: float) -> str:
 
 def mock(*args: str, port: int | None = None, speed: float = 20.0) -> Server:
     port = port or free_port()
-    return Server(["mock", "--port", str(port), "--speed", str(speed), *args], port)
+    args = ["mock", "--port", str(port), "--speed", str(speed), *args]
+    return Server(list(args), port, start_timeout_s=START_S)
 
 
 def faults(engine: Server, **flags: object) -> None:
@@ -175,7 +181,9 @@ def fleet(
         if pd:
             args += ["--pd-protocol", "vllm"]
         port = free_port()
-        router = Server(["router", "--port", str(port), *args, *router_args], port)
+        router = Server(
+            ["router", "--port", str(port), *args, *router_args], port, start_timeout_s=START_S
+        )
         stack.callback(router.stop)
         router.start()
         yield Fleet(router, engines, extra or {})
@@ -235,7 +243,7 @@ def redis_row(opts: argparse.Namespace) -> Row:
 
 def kvstore_row(opts: argparse.Namespace) -> Row:
     port = free_port()
-    kvstore = Server(["kvstore", "--port", str(port)], port)
+    kvstore = Server(["kvstore", "--port", str(port)], port, start_timeout_s=START_S)
     with ExitStack() as stack:
         stack.callback(kvstore.stop)
         kvstore.start()
@@ -299,7 +307,7 @@ def table(rows: list[Row]) -> str:
         t = r.tally
         lines.append(
             f"| {r.name} | {t.sent} | {t.ok} | {t.clean} | {t.cut} | {t.hung} | {t.lost} "
-            f"| {t.slowest_s:.1f} | {r.recovered} | {r.note} |"
+            f"| {t.slowest_s:.1f} | {r.recovered} | {t.refused} refused; {r.note} |"
         )
     return "\n".join(lines)
 
