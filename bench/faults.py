@@ -135,8 +135,8 @@ def recovered(url: str, within_s: float, hang_s: float) -> str:
 
 def mock(*args: str, port: int | None = None, speed: float = 20.0) -> Server:
     port = port or free_port()
-    args = ["mock", "--port", str(port), "--speed", str(speed), *args]
-    return Server(list(args), port, start_timeout_s=START_S)
+    argv = ["mock", "--port", str(port), "--speed", str(speed), *args]
+    return Server(argv, port, start_timeout_s=START_S)
 
 
 def faults(engine: Server, **flags: object) -> None:
