@@ -2,7 +2,7 @@
 
 Each row starts a fresh fleet (router, two mock engines, and Redis, a kvstore service or a
 P/D pair where the row needs them), sends ``--requests`` requests at ``--concurrency``
-(streamed and not, alternately), injects its fault a moment into the load, undoes it (the
+(streamed and not, alternately), injects its fault once a quarter have ended, undoes it (the
 engine, Redis or kvstore restarted on its port, the fault flags cleared), then checks that
 the same router answers again: "recovered without restart". Every request ends in one of
 
@@ -189,6 +189,12 @@ def fleet(
         yield Fleet(router, engines, extra or {})
 
 
+def wait_for_share(tally: Tally, requests: int, worker: threading.Thread) -> None:
+    """Until a quarter of the requests have ended, so the fault meets the rest in flight."""
+    while worker.is_alive() and tally.sent < requests // 4:
+        time.sleep(0.005)
+
+
 def under_load(
     name: str,
     front: Fleet,
@@ -197,13 +203,13 @@ def under_load(
     opts: argparse.Namespace,
     note: str = "",
 ) -> Row:
-    """Load; the fault a moment in; undone once the load ends; then the recovery probe."""
+    """Load; the fault a quarter in; undone once the load ends; then the recovery probe."""
     tally = Tally()
     worker = threading.Thread(
         target=load, args=(front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
     )
     worker.start()
-    time.sleep(opts.inject_after_s)
+    wait_for_share(tally, opts.requests, worker)
     inject()
     worker.join()
     undo()
@@ -276,7 +282,7 @@ def sigterm_row(opts: argparse.Namespace) -> Row:
         args = (front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
         worker = threading.Thread(target=load, args=args)
         worker.start()
-        time.sleep(opts.inject_after_s)
+        wait_for_share(tally, opts.requests, worker)
         assert front.router.proc is not None
         began = time.monotonic()
         front.router.proc.send_signal(signal.SIGTERM)
@@ -317,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=40, help="requests per row")
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--hang-s", type=float, default=30.0, help="a request this late hung")
-    parser.add_argument("--inject-after-s", type=float, default=0.5)
     parser.add_argument("--recover-s", type=float, default=20.0, help="recovery probe window")
     parser.add_argument("--only", choices=sorted(ROWS), action="append", help="rows to run")
     parser.add_argument("--out", type=Path, help="also write the table here")
