@@ -44,7 +44,9 @@ def test_minimum_tokens_picks_the_rank_holding_fewest_tokens() -> None:
 
 
 def test_step_balanced_minimises_the_largest_rank_cost_after_placement() -> None:
-    s = BalancerSettings(step_seq_cost_us=1.0, step_context_token_cost_us=0.01, step_prefill_token_cost_us=0)
+    s = BalancerSettings(
+        step_seq_cost_us=1.0, step_context_token_cost_us=0.01, step_prefill_token_cost_us=0
+    )
     ranks = [RankCounters(inflight=10, decode_seqs=10, decode_tokens=100) for _ in range(3)]
     ranks.append(RankCounters(inflight=2, decode_seqs=2, decode_tokens=3000))
     costs = [rank_cost(s, r) for r in ranks]

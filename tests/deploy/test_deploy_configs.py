@@ -622,7 +622,9 @@ def test_configmap_in_services_mode_routes_a_shared_prefix_through_both_services
             redis_url=redis_url,
             probe_interval_s=0.2,
         )
-        raw["kvstore"].update(host="127.0.0.1", port=kvstore_port, redis_url=redis_url, tokenizer=tok)
+        raw["kvstore"].update(
+            host="127.0.0.1", port=kvstore_port, redis_url=redis_url, tokenizer=tok
+        )
         # What the overlay's Secret gives each service: placements need the kvstore's admin key.
         raw["kvstore"]["admin_api_key"] = raw["balancer"]["admin_api_key"] = "deploy-admin"
         raw["router"].update(kvstore_api_key="deploy-admin", balancer_api_key="deploy-admin")
