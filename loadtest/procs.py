@@ -55,7 +55,7 @@ def free_port_block(n: int, rng: random.Random | None = None) -> int:
 
 def wait_http(
     url: str,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     proc: subprocess.Popen[bytes] | subprocess.Popen[str] | None = None,
     fallback_url: str | None = None,
 ) -> None:
@@ -98,7 +98,7 @@ class Server:
         env: dict[str, str] | None = None,
         own_group: bool = False,
         capture_stderr: bool = True,
-        start_timeout_s: float = 20.0,
+        start_timeout_s: float = 60.0,
         stop_timeout_s: float = 5.0,
     ) -> None:
         self.args = args
