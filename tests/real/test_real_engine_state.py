@@ -54,13 +54,15 @@ def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
 
 def test_an_abandoned_stream_is_aborted_in_the_engine(router: Server) -> None:
     # vLLM does not count client aborts in request_success_total{finished_reason="abort"};
-    # an aborted request is one that stops running without finishing by its length.
-    with httpx.stream("POST", router.url + "/v1/chat/completions", json=LONG, timeout=120) as r:
+    # an aborted request is one that stops running without finishing by its length. With
+    # 32 answers of 1900 tokens it runs for seconds, well past the disconnect.
+    body = {**LONG, "n": 32}
+    with httpx.stream("POST", router.url + "/v1/chat/completions", json=body, timeout=120) as r:
         worker = r.headers["x-switchyard-worker"]
         finished = engine_metric(worker, "vllm:request_success_total")
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert engine_metric(worker, "vllm:num_requests_running") == 1
+        assert engine_metric(worker, "vllm:num_requests_running") >= 1
     until(lambda: engine_metric(worker, "vllm:num_requests_running") == 0)
     assert engine_metric(worker, "vllm:request_success_total") == finished
