@@ -119,8 +119,11 @@ def register(app: typer.Typer) -> None:
         serve: Annotated[
             bool, Opt(help="Afterwards keep the stack up (router + engines) until Ctrl-C.")
         ] = False,
+        port: Annotated[
+            int, Opt(help="With --serve: the router's port (0 picks a free one).")
+        ] = 8000,
     ) -> None:
         """A local stack (router + mock engines) and a short routing comparison you can read."""
         from loadtest.demo import run_demo
 
-        run_demo(engines=engines, repeats=repeats, out=out, serve=serve)
+        run_demo(engines=engines, repeats=repeats, out=out, serve=serve, port=port)

@@ -56,7 +56,11 @@ def demo_config(engines: int, repeats: int, out: Path) -> CompareConfig:
 
 
 def run_demo(
-    engines: int = 6, repeats: int = 2, out: Path = Path("switchyard-demo"), serve: bool = False
+    engines: int = 6,
+    repeats: int = 2,
+    out: Path = Path("switchyard-demo"),
+    serve: bool = False,
+    port: int = 8000,
 ) -> None:
     console = wide_console()
     cfg = demo_config(engines, repeats, out)
@@ -80,7 +84,7 @@ def run_demo(
             console.print(f"wrote {path.resolve()}")
         if serve:
             best = [p for p in outcome.policies if p != "round_robin"][:1] or ["round_robin"]
-            _serve(console, fleet, RouterSpec.parse(best[0]))
+            _serve(console, fleet, RouterSpec.parse(best[0]), port)
 
 
 def headline(outcome: Outcome) -> str:
@@ -104,18 +108,17 @@ def headline(outcome: Outcome) -> str:
     )
 
 
-def _serve(console: Console, fleet: MockFleet, spec: RouterSpec) -> None:
+def _serve(console: Console, fleet: MockFleet, spec: RouterSpec, port: int) -> None:
     """Keep the best config up on the fleet until Ctrl-C, with a request to try."""
     try:
-        router = start_router(spec, fleet.engines)
+        router = start_router(spec, fleet.engines, port=port)
     except Unavailable as exc:
         console.print(f"[red]could not start {spec.label}:[/] {exc}")
         return
     with router:
-        console.print(
-            f"router ({spec.label}) at [bold]{router.url}[/], engines: "
-            + ", ".join(e.url for e in fleet.engines)
-        )
+        console.rule(f"[bold]serving: {router.url}/v1  ({spec.label})")
+        console.print("engines: " + ", ".join(e.url for e in fleet.engines))
+        console.print(f'python: OpenAI(base_url="{router.url}/v1", api_key="none")')
         console.print(
             f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
             """-d '{"model": "mock-model", "messages": [{"role": "user", "content": "hi"}]}'"""

@@ -106,9 +106,11 @@ def start_router(
     engines: list[Engine],
     tokenizer: str = DEFAULT_TOKENIZER,
     timeout_s: float = 30.0,
+    port: int = 0,
 ) -> RunningRouter:
-    """Start one router config in front of ``engines``; ``Unavailable`` if it cannot run."""
-    port = free_port_block(1)
+    """Start one router config in front of ``engines`` (on ``port``, or a free one if 0);
+    ``Unavailable`` if it cannot run."""
+    port = port or free_port_block(1)
     command = spec.command(engines, port, tokenizer)
     log = tempfile.TemporaryFile()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
