@@ -4,6 +4,11 @@ Backend failures never reach the caller of ``lookup``: when the backend (Redis) 
 unreachable or slower than ``lookup_timeout_s``, the answer is "no information"
 (``degraded=True``, no matches), so routing goes on without cache affinity. A
 background probe notices when the backend is back; nothing needs a restart.
+
+Length (about 630 lines): ``KVStore`` is the one facade the router and the kvstore service
+hold, and it owns three lifecycles that share its index and per-instance block sizes:
+lookups and placements, event feeds (subscribe, listen, follow a fleet, replay after a gap)
+and backend health. The feed half is the natural next module to split out.
 """
 
 from __future__ import annotations
