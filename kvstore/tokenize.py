@@ -22,6 +22,10 @@ Both caches share one bound in bytes.
 Long uncached text is tokenized in one worker thread (HF ``tokenizers`` releases the
 GIL), first in, first out: the event loop stays free and requests are decided in the
 order they came.
+
+Length (about 730 lines): the three modes, the two caches and their load-time checks must
+agree on one cut of the text, so they stay together; the byte-bounded LRU and the chat
+layout probe are the parts that could move out.
 """
 
 from __future__ import annotations
