@@ -14,6 +14,10 @@ from typing import Any
 from balancer.health import Breaker, Circuit, OutlierWindow
 from balancer.settings import BalancerSettings
 
+# Per-rank counters are allocated up front: a bound keeps a typo (or a hostile admin call)
+# such as dp=10**9 from allocating gigabytes. The largest DP deployments run a few hundred.
+MAX_DP_SIZE = 1024
+
 
 class Role(StrEnum):
     UNIFIED = "unified"
@@ -85,8 +89,10 @@ class WorkerSpec:
         if self.rank_urls:
             self.dp_mode = "urls"
             self.dp_size = len(self.rank_urls)
-        if self.dp_size < 1:
-            raise ValueError("dp_size must be >= 1")
+        if not 1 <= self.dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be between 1 and {MAX_DP_SIZE}")
+        if self.bootstrap_port is not None and not 1 <= self.bootstrap_port <= 65535:
+            raise ValueError("bootstrap_port must be a TCP port (1-65535)")
         if self.flavor is not None and self.flavor not in ("vllm", "sglang"):
             raise ValueError(f"flavor must be 'vllm' or 'sglang', not {self.flavor!r}")
 

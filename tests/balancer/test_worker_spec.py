@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from balancer import Role, WorkerSpec
+from balancer.worker import MAX_DP_SIZE
 
 
 def test_plain_url_is_a_unified_single_rank_worker_without_trailing_slash() -> None:
@@ -40,3 +41,13 @@ def test_mapping_form_ignores_unknown_keys() -> None:
 def test_bad_specs_are_rejected(text: str) -> None:
     with pytest.raises(ValueError):
         WorkerSpec.parse(text)
+
+
+def test_a_dp_size_beyond_the_bound_is_refused_before_anything_is_allocated() -> None:
+    with pytest.raises(ValueError, match="dp_size"):
+        WorkerSpec.parse(f"http://h:8000;dp={MAX_DP_SIZE + 1}")
+
+
+def test_a_bootstrap_port_outside_tcp_range_is_refused() -> None:
+    with pytest.raises(ValueError, match="bootstrap_port"):
+        WorkerSpec.parse("http://h:8000;bootstrap=70000")
