@@ -101,14 +101,25 @@ class MockFleet:
 
     def reset(self, timeout_s: float = 60.0) -> None:
         """Wait until every engine is idle, then empty every prefix cache."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5.0) as c:
-            for e in self.engines:
-                while True:
-                    metrics = totals(c.get(e.url + "/metrics").text)
-                    idle = all(metrics.get(name, 0.0) == 0 for name in BUSY)
-                    if idle and c.post(e.url + "/reset_prefix_cache").status_code == 200:
-                        break
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{e.url} did not become idle to reset its cache")
-                    time.sleep(0.1)
+        reset_prefix_caches([e.url for e in self.engines], timeout_s)
+
+
+def reset_prefix_caches(
+    urls: list[str], timeout_s: float, request_timeout_s: float = 10.0, poll_s: float = 0.1
+) -> None:
+    """Wait until each engine (mock or vLLM) is idle, then empty its prefix cache.
+
+    Idle first: a cache emptied under a running request is refilled by it, and the next
+    run would start warm.
+    """
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=request_timeout_s) as c:
+        for url in urls:
+            while True:
+                metrics = totals(c.get(url + "/metrics").text)
+                idle = all(metrics.get(name, 0.0) == 0 for name in BUSY)
+                if idle and c.post(url + "/reset_prefix_cache").status_code == 200:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{url} did not become idle to reset its cache")
+                time.sleep(poll_s)

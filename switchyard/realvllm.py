@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.fleet import COUNTERS, Engine
+from loadtest.fleet import COUNTERS, Engine, reset_prefix_caches
 from loadtest.procs import free_port_block, wait_http
 from loadtest.prom import labels_of, totals
 from mockengine.settings import DEFAULT_TOKENIZER
@@ -39,7 +39,6 @@ SIZES: dict[str, dict[str, int]] = {
     "bench": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "heads": 6},
 }
 BLOCK_SIZE = 32  # vLLM's CPU attention backend needs a multiple of 32.
-BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 def vllm_available() -> str | None:
@@ -273,17 +272,7 @@ class VllmFleet:
 
     def reset(self, timeout_s: float = 120.0) -> None:
         """Wait until every engine is idle, then empty every prefix cache."""
-        deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=10.0) as c:
-            for e in self.running:
-                while True:
-                    metrics = totals(c.get(e.url + "/metrics").text)
-                    idle = all(metrics.get(name, 0.0) == 0 for name in BUSY)
-                    if idle and c.post(e.url + "/reset_prefix_cache").status_code == 200:
-                        break
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{e.url} did not become idle to reset its cache")
-                    time.sleep(0.2)
+        reset_prefix_caches([e.url for e in self.running], timeout_s, poll_s=0.2)
 
     def stop(self) -> None:
         for e in self.running:
