@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import gc
 import logging
@@ -153,6 +154,7 @@ SETTINGS_ENV = "SWITCHYARD_ROUTER_PROCESS_SETTINGS"
 CONFIG_ENV = "SWITCHYARD_ROUTER_PROCESS_CONFIG"
 # prometheus_client's multiprocess mode: every process writes its samples here.
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h
 
 
 def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:
@@ -163,6 +165,7 @@ def run(settings: RouterSettings, config_file: str | Path | None = None) -> None
         return
     app = build_app(settings, config_file)
     _tune_gc()
+    _return_large_buffers()
     server = DrainingServer(uvicorn.Config(app, **_uvicorn_options(settings)), app)
     server.run()
     if not server.started:
@@ -218,6 +221,7 @@ def process_app() -> RouterApp:
     _logging(settings)
     app = build_app(settings, os.environ.get(CONFIG_ENV) or None)
     _tune_gc()
+    _return_large_buffers()
     return app
 
 
@@ -234,6 +238,22 @@ def _tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
+
+
+def _return_large_buffers() -> None:
+    """Give a large request body's memory back to the OS once it is freed.
+
+    glibc raises its mmap threshold after the first large buffer is freed (up to 32 MiB),
+    and later large buffers then come from the heap, which it does not shrink. Pinning the
+    threshold keeps every buffer over 128 KiB in its own mapping, unmapped on free.
+    Measured 2026-11-30, two 31 MiB bodies: RSS afterwards +21-35% of baseline in 4 of 6
+    runs without this. No effect off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
 
 
 def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:

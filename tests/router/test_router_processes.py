@@ -35,12 +35,24 @@ def complete_once(base_url: str) -> str:
         return client.completions.create(model="stub-model", prompt="hello", max_tokens=4).id
 
 
+def wait_all_ready(url: str, timeout_s: float = 30.0) -> None:
+    """Until /ready answers 200 on 10 fresh connections in a row: /health answering means
+    one process is up, not that every process has probed its workers."""
+    deadline = time.monotonic() + timeout_s
+    streak = 0
+    while streak < 10:
+        assert time.monotonic() < deadline, "router processes not all ready"
+        streak = streak + 1 if httpx.get(url + "/ready").status_code == 200 else 0
+        time.sleep(0.02)
+
+
 def test_two_processes_serve_one_port_and_sum_their_metrics(
     stub: StubBackend, start_router: StartRouter
 ) -> None:
     router = start_router(stub.url, args=("--processes", "2", "--policy", "round_robin"))
     assert router.proc is not None
     assert len(router_processes(router.proc.pid)) == 2
+    wait_all_ready(router.url)
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(complete_once, [router.url] * REQUESTS))
     assert ids == ["cmpl-stub"] * REQUESTS
