@@ -33,10 +33,10 @@ def until(check: object, timeout_s: float = 30.0) -> None:
 
 
 def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
-    # The tiny model decodes a long answer in about a second, so several run at once
-    # and the router's view is sampled throughout.
+    # The tiny model decodes a long answer in under a second on an idle core, so each
+    # request asks for 16 of them and several run at once, for seconds of scrapes.
     admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
-    body = {**LONG, "stream": False}
+    body = {**LONG, "stream": False, "n": 16}
     seen: list[dict] = []
     with ThreadPoolExecutor(6) as pool:
         answers = [
