@@ -62,12 +62,9 @@ class Subscriber:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception as exc:  # a feed that never connected (bad endpoint) still stops
-                log.warning("%s: subscriber had failed: %s", self.feed.instance, exc)
+            (outcome,) = await asyncio.gather(self._task, return_exceptions=True)
+            if isinstance(outcome, Exception):  # a feed that never connected still stops
+                log.warning("%s: subscriber had failed: %s", self.feed.instance, outcome)
             self._task = None
 
     async def _run(self) -> None:
