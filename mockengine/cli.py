@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -38,7 +39,10 @@ def register(app: typer.Typer) -> None:
     def mock_fleet_command(
         count: Annotated[int, Opt(help="Number of engines.")] = 2,
         base_port: Annotated[int, Opt(help="First HTTP port.")] = 8100,
-        processes: Annotated[int, Opt(help="Spread the engines over K processes.")] = 1,
+        processes: Annotated[
+            int | None,
+            Opt(help="Spread the engines over K processes (default: one per 500 engines)."),
+        ] = None,
         prefill: Annotated[int, Opt(help="How many engines are prefill role.")] = 0,
         decode: Annotated[int, Opt(help="How many engines are decode role.")] = 0,
         kv_events_base_port: Annotated[int | None, Opt(help="First ZMQ PUB port.")] = None,
@@ -51,13 +55,13 @@ def register(app: typer.Typer) -> None:
         speed: Annotated[float | None, Opt(help="Time compression factor.")] = None,
         seed: Annotated[int | None, Opt(help="Random seed (engine i gets seed+i).")] = None,
         kv_events_encoding: Annotated[str | None, Opt(help="array or map.")] = None,
-        spec_json: Annotated[str | None, Opt(hidden=True)] = None,
+        spec_stdin: Annotated[bool, Opt(hidden=True)] = False,
     ) -> None:
         """Run many mock engines (one process or K), print a JSON description, serve forever."""
         from mockengine.fleet import plan_fleet, run_fleet, run_specs
 
-        if spec_json is not None:
-            run_specs(spec_json)
+        if spec_stdin:
+            run_specs(sys.stdin.read())
             return
         flags = {
             "flavor": flavor,

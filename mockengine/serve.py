@@ -216,6 +216,12 @@ class _Server(uvicorn.Server):
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    async def main_loop(self) -> None:
+        """Tick once a second, not uvicorn's ten times: the tick only refreshes the Date
+        header each second and checks ``should_exit``, and a fleet runs hundreds of servers."""
+        while not await self.on_tick(0):
+            await asyncio.sleep(1.0)
+
 
 async def run(deployments: list[Deployment], on_ready: Callable[[], None] | None = None) -> None:
     """Start engines and servers; run until SIGINT/SIGTERM; stop everything."""
