@@ -2,12 +2,19 @@
 
 vLLM and SGLang name the same gauges differently; the names also tell us which
 engine we talk to when the config does not say.
+
+Only the lines of the families below reach prometheus_client's parser, one memoised
+line at a time, so the cost does not grow with the histogram buckets and families an
+engine adds (2026-12-01: a real vLLM scrape of 620 lines took 32 ms through the parser,
+2.3 ms filtered, 0.4 ms filtered and memoised; the parse was 20% of the router's CPU on
+the multi-turn replay).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -31,6 +38,14 @@ TTFT_COUNT = {
     "sglang:time_to_first_token_seconds_count",
 }
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
+# Sample lines starting with one of these go to the parser (a longer name that shares the
+# prefix, such as vllm:num_requests_waiting_by_reason, is parsed and then ignored).
+WANTED = tuple(
+    sorted(
+        {*RUNNING, *WAITING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_CAPACITY, *TTFT_SUM, *TTFT_COUNT}
+    )
+)
+FLAVORS = ("vllm:", "sglang:")
 
 
 @dataclass
@@ -57,39 +72,55 @@ def _rank_of(labels: dict[str, str]) -> int | None:
     return None
 
 
-def _samples(text: str) -> Iterator[Sample]:
-    """The exposition's samples; a malformed line ends the scrape with what came before."""
+@lru_cache(maxsize=1024)
+def _parse_line(line: str) -> tuple[Sample, ...]:
+    """One sample line through the parser, memoised: an engine repeats most of its lines
+    between scrapes (idle gauges, the info gauge of 20 labels, 1.5 ms to parse)."""
+    return tuple(s for family in text_string_to_metric_families(line) for s in family.samples)
+
+
+def _samples(lines: list[str]) -> Iterator[Sample]:
+    """The samples of ``lines``; a malformed one ends the scrape with what came before."""
     try:
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
+        for line in lines:
+            yield from _parse_line(line)
     except ValueError:
         return
 
 
+def _flavor(lines: list[str]) -> str | None:
+    """The engine named by the first ``vllm:`` or ``sglang:`` sample."""
+    for line in lines:
+        if line.startswith(FLAVORS):
+            return line.split(":", 1)[0]
+    return None
+
+
 def parse_metrics(text: str) -> Scrape:
-    """Sum running/waiting over series, average KV usage; split per DP rank when labelled."""
-    flavor: str | None = None
+    """Sum running/waiting over series, average KV usage; split per DP rank when labelled.
+
+    A malformed line among the wanted ones ends the reading with what came before it;
+    lines of other families are never parsed, so they cannot break it.
+    """
+    lines = text.splitlines()
+    flavor = _flavor(lines)
     sums: dict[tuple[str, int | None], float] = {}
     counts: dict[tuple[str, int | None], int] = {}
-    for found in _samples(text):
+    for found in _samples([line for line in lines if line.startswith(WANTED)]):
         name = found.name
         if name in RUNNING:
-            kind, flavor = "running", flavor or RUNNING[name]
+            kind = "running"
         elif name in WAITING:
-            kind, flavor = "waiting", flavor or WAITING[name]
+            kind = "waiting"
         elif name in KV_USAGE:
-            kind, flavor = "kv", flavor or KV_USAGE[name]
-        elif name == SGLANG_CAPACITY:
-            kind, flavor = "capacity", flavor or "sglang"
-        elif name == VLLM_CACHE_INFO:
-            kind, flavor = "capacity", flavor or "vllm"
+            kind = "kv"
+        elif name in (SGLANG_CAPACITY, VLLM_CACHE_INFO):
+            kind = "capacity"
         elif name in TTFT_SUM:
             kind = "ttft_sum"
         elif name in TTFT_COUNT:
             kind = "ttft_count"
         else:
-            if flavor is None and name.startswith(("vllm:", "sglang:")):
-                flavor = name.split(":", 1)[0]
             continue
         value = found.value
         if name == VLLM_CACHE_INFO:
