@@ -122,6 +122,6 @@ class Scheduler:
         weight_sum = 0.0
         for scorer, weight in self.scorers:
             weight_sum += weight
-            for i, value in enumerate(scorer.score(ctx, workers)):
-                total[i] += weight * value
+            values = scorer.score(ctx, workers)
+            total = [t + weight * v for t, v in zip(total, values, strict=True)]
         return [t / weight_sum for t in total] if weight_sum else total

@@ -34,13 +34,15 @@ class BoundedLoadGuard:
         self.slack = p.slack
 
     def capacity(self, workers: list[Worker]) -> float:
-        mean_after = (sum(w.inflight for w in workers) + 1) / len(workers)
+        mean_after = (sum([w.inflight for w in workers]) + 1) / len(workers)
         return (1.0 + self.epsilon) * mean_after + self.slack
 
     def apply(self, ctx: Context, order: list[Worker]) -> list[Worker]:
         cap = self.capacity(order)
+        if order[0].inflight + 1 <= cap:
+            return order
         fits = [w for w in order if w.inflight + 1 <= cap]
-        if not fits or fits[0] is order[0]:
+        if not fits:
             return order
         ctx.reason = "guard"
         return fits + [w for w in order if w.inflight + 1 > cap]
