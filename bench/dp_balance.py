@@ -15,20 +15,23 @@ reports stream progress every 16 chunks (``--progress 0``: a router that does no
 Reported per policy:
   rank load   = a rank's step work (its step time minus the fixed per-step cost);
                 max/mean over ranks per step, then the step-time-weighted mean and p95
-  step time   = the lockstep step (max over ranks), mean in ms
+  EP step     = the lockstep step (the slowest rank's step), mean in ms: what an MoE
+                model with expert parallelism pays per step
   throughput  = output tokens per simulated second while the workload is being admitted
 
-``--clairvoyant`` adds a reference row that no router can run: greedy placement that knows
-every in-flight request's exact remaining output and the new request's output length, and
-picks the rank minimising the lockstep work (the largest rank's load) summed over the next
-256 steps. It shows what exact foresight of decode work buys a greedy one-request-at-a-time
-choice.
+The clairvoyant reference row (on unless ``--no-clairvoyant``) is one no router can run:
+greedy placement that knows every in-flight request's exact remaining output and the new
+request's output length, and picks the rank minimising the lockstep work (the largest
+rank's load) summed over the next 256 steps. It shows what exact foresight of decode work
+buys a greedy one-request-at-a-time choice.
 
 Each concurrency and seed is one scenario; the summary says for each whether the DP-balance
-target holds: step_balanced max/mean <= 1.15 where round_robin exceeds 1.5, with more tok/s.
+target holds (issue 13): step_balanced's max/mean rank load within 3% of the clairvoyant
+reference's, with the EP-step times side by side. Issue 5's fixed 1.15 was dropped: even
+clairvoyant placement does not reach it at concurrency 64.
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
-                                 [--seed 1 2 3] [--clairvoyant] [--mode decode|unified]
+                                 [--seed 1 2 3] [--no-clairvoyant] [--mode decode|unified]
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from mockengine.engine.core import EngineCore, Seq
 
 POLICIES = ("round_robin", "least_requests", "minimum_tokens", "step_balanced")
 CLAIRVOYANT = "clairvoyant"
-TARGET_RATIO = 1.15  # step_balanced must stay at or under this...
-RR_BAD_RATIO = 1.5  # ...where round_robin exceeds this
+# step_balanced's max/mean rank load may exceed the clairvoyant reference's by this share.
+TARGET_GAP = 0.03
 HORIZON_STEPS = 256
 
 
@@ -255,23 +258,18 @@ def windows(ratios: list[tuple[float, float]], n: int) -> list[float]:
 
 
 def verdict(results: dict[str, Result]) -> str:
-    """Whether this scenario meets the DP-balance target, and if not, which part fails."""
-    rr, sb = results.get("round_robin"), results.get("step_balanced")
-    if rr is None or sb is None:
-        return "not judged (needs round_robin and step_balanced)"
-    misses = []
-    if rr.ratio_mean <= RR_BAD_RATIO:
-        misses.append(f"round_robin {rr.ratio_mean:.3f} does not exceed {RR_BAD_RATIO}")
-    if sb.ratio_mean > TARGET_RATIO:
-        misses.append(f"step_balanced {sb.ratio_mean:.3f} > {TARGET_RATIO}")
-    if sb.throughput <= rr.throughput:
-        misses.append("step_balanced has no more tok/s than round_robin")
-    if misses:
-        return "NOT MET: " + "; ".join(misses)
-    return (
-        f"HOLDS: step_balanced {sb.ratio_mean:.3f} <= {TARGET_RATIO}, round_robin "
-        f"{rr.ratio_mean:.3f} > {RR_BAD_RATIO}, tok/s x{sb.throughput / rr.throughput:.3f}"
+    """Whether step_balanced comes within ``TARGET_GAP`` of the clairvoyant reference."""
+    sb, cv = results.get("step_balanced"), results.get(CLAIRVOYANT)
+    if sb is None or cv is None:
+        return "not judged (needs step_balanced and clairvoyant)"
+    gap = sb.ratio_mean / cv.ratio_mean - 1.0
+    line = (
+        f"step_balanced {sb.ratio_mean:.3f} vs clairvoyant {cv.ratio_mean:.3f} "
+        f"({gap:+.1%}); EP step {sb.step_ms:.2f} vs {cv.step_ms:.2f} ms"
     )
+    if gap <= TARGET_GAP:
+        return f"HOLDS (within {TARGET_GAP:.0%}): {line}"
+    return f"NOT MET (gap above {TARGET_GAP:.0%}): {line}"
 
 
 def scenario(
@@ -286,7 +284,7 @@ def scenario(
         "(lockstep DP, mock engine core)"
     )
     header = (
-        f"{'policy':<16}{'max/mean load':>15}{'p95':>8}{'step ms':>10}"
+        f"{'policy':<16}{'max/mean load':>15}{'p95':>8}{'EP step ms':>12}"
         f"{'tok/s':>10}{'vs rr':>8}{'wall s':>8}"
     )
     print(header)
@@ -308,15 +306,13 @@ def scenario(
         results[policy] = r
         baseline = next(iter(results.values())).throughput
         print(
-            f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>10.2f}"
+            f"{r.policy:<16}{r.ratio_mean:>15.3f}{r.ratio_p95:>8.3f}{r.step_ms:>12.2f}"
             f"{r.throughput:>10.0f}{r.throughput / baseline:>8.3f}{r.wall:>8.1f}"
         )
     print("max/mean rank load over time (10 equal slices of the admission period)")
     for policy, r in results.items():
         print(f"{policy:<16}" + " ".join(f"{x:5.2f}" for x in r.timeline))
     line = f"concurrency {concurrency:>4} seed {seed}: " + verdict(results)
-    if CLAIRVOYANT in results:
-        line += f" [clairvoyant {results[CLAIRVOYANT].ratio_mean:.3f}]"
     print("target: " + line)
     return line
 
@@ -365,8 +361,10 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument(
         "--clairvoyant",
-        action="store_true",
-        help="add the perfect-foresight reference row (knows every output length)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the perfect-foresight reference row (knows every output length); the target "
+        "is judged against it",
     )
     args = parser.parse_args()
     timing = {
@@ -379,8 +377,8 @@ def main() -> None:
     }
     lines = [scenario(args, c, seed, timing) for c in args.concurrency for seed in args.seed]
     print(
-        f"\nsummary: target = step_balanced max/mean <= {TARGET_RATIO} where round_robin "
-        f"> {RR_BAD_RATIO}, with more tok/s"
+        f"\nsummary: target = step_balanced max/mean rank load within {TARGET_GAP:.0%} of "
+        "the clairvoyant reference's"
     )
     for line in lines:
         print("  " + line)
