@@ -41,6 +41,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -134,14 +135,14 @@ def run(
     seed: int,
     decode: bool,
     progress: int,
-    timing: dict[str, float],
+    timing: dict[str, Any],  # EngineConfig timing overrides (floats)
     scrape_ms: float,
 ) -> Result:
     config = EngineConfig(enable_prefix_caching=False, seed=seed, **timing)
     cores = [EngineCore(config, rank) for rank in range(ranks)]
     base = config.step_base_us * 1e-6
     seer = Clairvoyant(cores, config) if policy == CLAIRVOYANT else None
-    fleet = Fleet(BalancerSettings(dp_policy="round_robin" if seer else policy))
+    fleet = Fleet(BalancerSettings.model_validate({"dp_policy": "round_robin" if seer else policy}))
     role = "decode" if decode else "unified"
     worker = fleet.add(WorkerSpec.parse(f"http://sim.invalid:8000;dp={ranks};role={role};models=m"))
     tickets: dict[str, Ticket] = {}
