@@ -75,6 +75,16 @@ class Expected:
     def observe(self, actual_s: float) -> None:
         self.model.observe(self, actual_s)
 
+    @property
+    def learned(self) -> bool:
+        """Whether the prediction rests on answers of its own kind, not on a fallback."""
+        return self.model.learned(self.worker_id, self.kind)
+
+    @property
+    def spread(self) -> float:
+        """The observed 90th percentile of actual over predicted for this kind."""
+        return self.model.q90(self.kind == STREAM)
+
 
 class TTFTModel:
     """Seconds per prefill token per worker and kind (stream: first token; whole: whole
@@ -114,6 +124,10 @@ class TTFTModel:
         if kind == WHOLE:
             return self.s_per_token(worker_id, STREAM)
         return self.prior_s_per_token
+
+    def learned(self, worker_id: str, kind: str) -> bool:
+        """Whether answers of ``kind`` were observed (from this worker or the fleet)."""
+        return (worker_id, kind) in self.rate or kind in self.fleet_rate
 
     def work_tokens(self, ctx: Context, worker: Worker) -> float:
         uncached = max(ctx.prompt_tokens - ctx.matched.get(worker.id, 0.0), 1.0)

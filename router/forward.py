@@ -25,7 +25,7 @@ from router.errors import RouterError, engine_error_body
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
-from router.request import RoutedRequest
+from router.request import COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 from router.upstream import Call, Unsent
 
@@ -33,6 +33,9 @@ RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
 # Failures before the response head that another worker may well not have.
 _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
+# max_tokens of a completion that omits it: the OpenAI API's default, which vLLM and SGLang
+# apply too (a chat's default is the rest of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def queued_prefill(ctx: Context, worker: Worker) -> int | None:
@@ -56,8 +59,13 @@ class FirstByteDeadlines:
 
     The worker's predicted TTFT (its learned rate for the prompt's uncached part plus its
     queue) times ``slack``, plus ``base_s``. A non-streamed answer comes whole, so it adds
-    ``output_token_allowance_s`` per ``max_tokens``; without ``max_tokens`` it gets only the
-    relay's cap. Never more than that cap.
+    ``output_token_allowance_s`` per output token: its ``max_tokens``, else the API's
+    default for completions (16). A chat without ``max_tokens`` may generate up to the
+    context, so its deadline is the learned time of whole answers instead (the prediction
+    of the "whole" kind, scaled by their observed 90th-percentile spread), once the worker
+    or the fleet has answered some; before that it has only the relay's cap. Never more
+    than the cap: the last attempt always has the cap, so a slow answer cut here is
+    still answered, by another worker.
     """
 
     base_s: float
@@ -69,11 +77,22 @@ class FirstByteDeadlines:
         if expected is not None:
             deadline += self.slack * expected.predicted_s
         if not req.stream:
-            output = req.data.get("max_tokens") or req.data.get("max_completion_tokens")
-            if not isinstance(output, int) or output <= 0:
+            output = output_tokens(req)
+            if output is not None:
+                deadline += output * self.output_token_allowance_s
+            elif expected is not None and expected.learned:
+                deadline = self.base_s + self.slack * expected.spread * expected.predicted_s
+            else:
                 return None
-            deadline += output * self.output_token_allowance_s
         return min(deadline, cap_s)
+
+
+def output_tokens(req: RoutedRequest) -> int | None:
+    """The most tokens a non-streamed answer can have, if the request bounds it."""
+    output = req.data.get("max_tokens") or req.data.get("max_completion_tokens")
+    if isinstance(output, int) and not isinstance(output, bool) and output > 0:
+        return output
+    return COMPLETIONS_DEFAULT_MAX_TOKENS if req.route == COMPLETIONS else None
 
 
 class Forwarder:

@@ -71,7 +71,8 @@ class RouterSettings(ServiceSettings):
         default=0.25,
         gt=0,
         description="seconds per max_tokens a non-streamed answer adds to its first-byte "
-        "deadline (without max_tokens it has only first_byte_timeout_s)",
+        "deadline (a completion without it: 16, the API's default; a chat without it gets "
+        "the learned time of whole answers instead)",
     )
     idle_timeout_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")

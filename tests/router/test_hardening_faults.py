@@ -11,9 +11,9 @@ import pytest
 
 from balancer.settings import BalancerSettings
 from balancer.worker import Worker, WorkerSpec
-from router.admission import Expected, TTFTModel
+from router.admission import STREAM, WHOLE, Expected, TTFTModel
 from router.forward import FirstByteDeadlines
-from router.request import COMPLETIONS, RoutedRequest, parse
+from router.request import CHAT, COMPLETIONS, RoutedRequest, parse
 from router.scheduler.framework import Context
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
@@ -97,10 +97,12 @@ def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     assert stub.state.requests == hung_saw
 
 
-def _expected(predicted_s: float) -> Expected:
+def _expected(predicted_s: float, *, stream: bool = True, learned: bool = False) -> Expected:
     model = TTFTModel(10_000.0)
     worker = Worker(WorkerSpec(url="http://127.0.0.1:1"), BalancerSettings())
-    expected = model.expect(Context(model="m", prompt_tokens=4), worker, True)
+    if learned:
+        model.learn(worker.id, STREAM if stream else WHOLE, 0.001)
+    expected = model.expect(Context(model="m", prompt_tokens=4), worker, stream)
     expected.predicted_s = predicted_s
     return expected
 
@@ -108,8 +110,13 @@ def _expected(predicted_s: float) -> Expected:
 DEADLINES = FirstByteDeadlines(base_s=5.0, slack=4.0, output_token_allowance_s=0.25)
 
 
-def _req(**fields: object) -> RoutedRequest:
-    return parse(COMPLETIONS, orjson.dumps({"model": "m", "prompt": "hi", **fields}), None)
+def _req(route: str = COMPLETIONS, **fields: object) -> RoutedRequest:
+    prompt: dict[str, object] = (
+        {"prompt": "hi"}
+        if route == COMPLETIONS
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    return parse(route, orjson.dumps({"model": "m", **prompt, **fields}), None)
 
 
 def test_first_byte_deadline_grows_with_the_predicted_prefill() -> None:
@@ -128,5 +135,29 @@ def test_non_streamed_answer_adds_its_output_allowance() -> None:
     assert deadline == pytest.approx(5.4 + 25.0)
 
 
-def test_non_streamed_answer_without_max_tokens_waits_for_the_cap() -> None:
-    assert DEADLINES.of(_req(), _expected(0.1), 600.0) is None
+def test_non_streamed_completion_without_max_tokens_is_allowed_the_api_default_of_16() -> None:
+    deadline = DEADLINES.of(_req(), _expected(0.1, stream=False), 600.0)
+    assert deadline == pytest.approx(5.4 + 16 * 0.25)
+
+
+def test_unbounded_chat_waits_for_the_cap_until_whole_answers_were_learned() -> None:
+    assert DEADLINES.of(_req(CHAT), _expected(0.1, stream=False), 600.0) is None
+
+
+def test_unbounded_chat_deadline_scales_the_learned_whole_answer_time() -> None:
+    expected = _expected(2.0, stream=False, learned=True)
+    deadline = DEADLINES.of(_req(CHAT), expected, 600.0)
+    assert deadline == pytest.approx(5.0 + 4.0 * expected.spread * 2.0)
+
+
+def test_hung_engine_answers_a_completion_without_max_tokens_from_elsewhere(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    """Without max_tokens a completion has the API's default of 16, so its deadline is
+    finite: a hung first choice is left for the next worker, not waited on for the cap."""
+    stub.state.hang = True
+    router = start_router(stub.url, stub2.url, args=("--policy", "round_robin")).url
+    body = {"model": "stub-model", "prompt": "hi"}
+    results = [httpx.post(router + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+    assert [r.status_code for r in results] == [200, 200]
+    assert {r.headers["x-switchyard-worker"] for r in results} == {stub2.url}
