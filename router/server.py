@@ -8,6 +8,7 @@ import functools
 import gc
 import logging
 import os
+import signal
 import sys
 import tempfile
 from collections import Counter
@@ -173,28 +174,44 @@ def run(settings: RouterSettings, config_file: str | Path | None = None) -> None
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``shutdown_drain_s`` the
-    listener closes and in-flight requests get ``shutdown_timeout_s`` to finish (uvicorn's
-    graceful shutdown), then are cancelled and the process exits."""
+    """A single router process's server: SIGTERM/SIGINT drain it (``drain``)."""
 
     def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
         super().__init__(config)
         self.app = app
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        drain_s = self.app.settings.shutdown_drain_s
-        if self.app.draining or drain_s <= 0:
-            self.app.draining = True
-            super().handle_exit(sig, frame)
-            return
-        self.app.draining = True
-        try:
-            loop = asyncio.get_running_loop()  # the signal interrupted the server's loop
-        except RuntimeError:
-            super().handle_exit(sig, frame)
-            return
-        stop = functools.partial(uvicorn.Server.handle_exit, self, sig, None)
-        loop.call_soon_threadsafe(loop.call_later, drain_s, stop)
+        drain(self, self.app, sig, frame)
+
+
+def drain(
+    server: uvicorn.Server,
+    app: RouterApp,
+    sig: int,
+    frame: FrameType | None,
+    *,
+    repeat_ends_drain: bool = True,
+) -> None:
+    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``shutdown_drain_s`` the
+    listener closes and in-flight requests get ``shutdown_timeout_s`` to finish (uvicorn's
+    graceful shutdown), then are cancelled (answered 503 ``shutting_down``) and the
+    process exits. A second signal ends the drain at once unless ``repeat_ends_drain`` is
+    off (a process of several gets the signal twice: from its group and from its parent)."""
+    drain_s = app.settings.shutdown_drain_s
+    if app.draining and not repeat_ends_drain:
+        return
+    exit_now = functools.partial(uvicorn.Server.handle_exit, server)
+    if app.draining or drain_s <= 0:
+        app.draining = True
+        exit_now(sig, frame)
+        return
+    app.draining = True
+    try:
+        loop = asyncio.get_running_loop()  # the signal interrupted the server's loop
+    except RuntimeError:
+        exit_now(sig, frame)
+        return
+    loop.call_soon_threadsafe(loop.call_later, drain_s, exit_now, sig, None)
 
 
 def _run_processes(settings: RouterSettings, config_file: str | Path | None) -> None:
@@ -220,9 +237,23 @@ def process_app() -> RouterApp:
     settings = RouterSettings.model_validate_json(os.environ[SETTINGS_ENV])
     _logging(settings)
     app = build_app(settings, os.environ.get(CONFIG_ENV) or None)
+    _drain_on_signals(app)
     _tune_gc()
     _return_large_buffers()
     return app
+
+
+def _drain_on_signals(app: RouterApp) -> None:
+    """Make the signal handlers of this process's server drain ``app`` first.
+
+    Under ``--processes`` uvicorn runs a plain ``uvicorn.Server`` in each process, which
+    knows nothing of draining (``/ready`` stayed 200 and a request cancelled at the
+    shutdown timeout lost its connection). It installs its handlers before it loads the
+    app, so they can be wrapped here."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        server = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(server, uvicorn.Server):
+            signal.signal(sig, functools.partial(drain, server, app, repeat_ends_drain=False))
 
 
 def _logging(settings: RouterSettings) -> None:

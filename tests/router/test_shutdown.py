@@ -145,13 +145,42 @@ def test_ready_goes_false_while_the_router_drains(
         httpx.get(router.url + "/health", timeout=5)
 
 
-def test_several_processes_exit_within_the_shutdown_timeout(
+def test_several_processes_exit_within_the_shutdown_timeout_answering_503(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
+    """The whole group signalled (each process gets SIGTERM twice: directly and from the
+    parent): the held request still ends in a clean 503, within the timeout."""
     stub.state.hang = True
     router = start_router(stub.url, "--processes", "2", "--shutdown-timeout-s", "1", own_group=True)
     held = InFlight(router.url)
     wait_for(lambda: stub.state.requests == 1)
     sent = terminate(router, group=True)
     assert exit_time(router) - sent < 1 + 10
-    assert held.wait() is not None
+    result = held.wait()
+    assert isinstance(result, httpx.Response), result
+    assert result.status_code == 503
+    assert result.json()["error"]["code"] == "shutting_down"
+
+
+def _ready_status(url: str) -> int | str:
+    try:
+        return httpx.get(url + "/ready", timeout=5).status_code
+    except httpx.HTTPError as exc:
+        return type(exc).__name__
+
+
+def test_several_processes_answer_ready_503_while_they_drain(
+    start_router: StartRouter, stub: StubBackend
+) -> None:
+    """SIGTERM to the parent only (as Kubernetes sends it): it passes the signal on, and
+    every process answers /ready 503 through the drain while still serving requests."""
+    router = start_router(stub.url, "--processes", "2", "--shutdown-drain-s", "10", own_group=True)
+    wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    terminate(router)
+    time.sleep(1.0)  # the parent passes signals on every 0.5 s
+    assert [_ready_status(router.url) for _ in range(6)] == [503] * 6
+    served = httpx.post(
+        router.url + "/v1/completions", json={"model": "stub-model", "prompt": "x"}, timeout=10
+    )
+    assert served.status_code == 200
+    exit_time(router)
