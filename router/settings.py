@@ -9,6 +9,7 @@ from pydantic_settings import SettingsConfigDict
 
 from kvstore.settings import zmq_endpoint
 from router.pd.settings import PDSettings
+from switchyard.auth import tenant_keys
 from switchyard.settings import ServiceSettings
 
 
@@ -32,7 +33,11 @@ class RouterSettings(ServiceSettings):
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="policy options as JSON (see the README's policies)"
     )
-    api_key: str | None = Field(default=None, description="Bearer key clients must send")
+    api_key: str | None = Field(
+        default=None,
+        description="Bearer keys clients must send, comma-separated; TENANT:KEY binds a key "
+        "to a tenant that labels its requests",
+    )
     admin_api_key: str | None = Field(default=None, description="Bearer key for /admin")
     worker_api_key: str | None = Field(
         default=None,
@@ -208,6 +213,12 @@ class RouterSettings(ServiceSettings):
 
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)
+
+    @field_validator("api_key")
+    @classmethod
+    def _tenant_keys(cls, value: str | None) -> str | None:
+        tenant_keys(value)
+        return value
 
     @field_validator("kv_listen")
     @classmethod

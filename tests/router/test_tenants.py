@@ -1,0 +1,96 @@
+"""Tenant-bound data keys: ``TENANT:KEY`` entries in ``api_key`` name who a request is for,
+and the router counts answered requests per tenant and outcome."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from router.settings import RouterSettings
+from router.tenants import TenantRequests, outcome_of
+from switchyard.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
+
+
+def test_an_entry_with_a_colon_binds_its_key_to_the_tenant_before_it() -> None:
+    assert tenant_keys("team-a:k1, k2") == ((b"k1", "team-a"), (b"k2", NO_TENANT))
+
+
+def test_a_bad_tenant_name_is_refused_without_echoing_the_key() -> None:
+    with pytest.raises(ValueError, match="entry 2") as refused:
+        tenant_keys("k1,bad tenant:secret-key")
+    assert "secret-key" not in str(refused.value)
+
+
+def test_an_entry_with_an_empty_key_is_refused() -> None:
+    with pytest.raises(ValueError):
+        tenant_keys("team-a:")
+
+
+def test_router_settings_refuse_a_bad_tenant_entry_at_start() -> None:
+    with pytest.raises(ValidationError):
+        RouterSettings(api_key="no spaces:k1")
+
+
+def test_a_request_acts_for_the_tenant_its_key_is_bound_to() -> None:
+    check = data_access("team-a:k1,team-b:k2,k3")
+    assert check.tenant("Bearer k2") == "team-b"
+    assert check.tenant(b"Bearer k1") == "team-a"
+
+
+def test_a_key_bound_to_no_tenant_acts_for_the_default_tenant() -> None:
+    assert data_access("team-a:k1,k3").tenant("Bearer k3") == NO_TENANT
+
+
+def test_the_admin_key_on_the_data_api_acts_for_the_admin_tenant() -> None:
+    assert data_access("team-a:k1", "root").tenant("Bearer root") == ADMIN_TENANT
+
+
+def test_a_wrong_or_missing_key_acts_for_no_one() -> None:
+    check = data_access("team-a:k1")
+    assert check.tenant("Bearer team-a:k1") is None
+    assert check.tenant("Bearer k2") is None
+    assert check.tenant(None) is None
+    assert not check.allows("Bearer k2")
+
+
+def test_an_open_data_api_serves_everyone_as_the_default_tenant() -> None:
+    assert data_access(None).tenant(None) == NO_TENANT
+
+
+def test_a_closed_admin_api_without_a_key_acts_for_no_one() -> None:
+    assert admin_access(None).tenant("Bearer anything") is None
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (200, "ok"),
+        (400, "client_error"),
+        (401, "unauthorized"),
+        (429, "rate_limited"),
+        (499, "client_gone"),
+        (503, "server_error"),
+    ],
+)
+def test_an_answer_status_maps_to_one_outcome(status: int, outcome: str) -> None:
+    assert outcome_of(status) == outcome
+
+
+def test_answered_requests_are_counted_per_tenant_and_outcome() -> None:
+    registry = CollectorRegistry()
+    tenants = TenantRequests(registry)
+    tenants.count("team-a", 200)
+    tenants.count("team-a", 200)
+    tenants.count("team-b", 503)
+    tenants.count(None, 401)
+
+    def value(tenant: str, outcome: str) -> float | None:
+        return registry.get_sample_value(
+            "switchyard_router_tenant_requests_total", {"tenant": tenant, "outcome": outcome}
+        )
+
+    assert value("team-a", "ok") == 2.0
+    assert value("team-b", "server_error") == 1.0
+    assert value("unknown", "unauthorized") == 1.0
+    assert value("team-b", "ok") is None
