@@ -11,7 +11,13 @@ connection cap answered in the OpenAI error shape:
 - the body must be complete within ``body_timeout_s`` of the head, else the
   connection is closed (the router sees the client gone and aborts the request);
 - beyond ``max_connections`` open connections, each request is answered 503
-  (``too_many_connections``) and its connection closed.
+  (``too_many_connections``) and its connection closed;
+- a request head still incomplete after ``max_header_bytes`` is answered 431 and its
+  connection closed as the bytes arrive. httptools has no head limit of its own (nor do
+  uvicorn's options for it: ``h11_max_incomplete_event_size`` applies to h11 only), and it
+  holds a header's bytes until the header ends, so the app's own 431 came only after the
+  whole head was buffered. Measured 2026-12-01 (one 64 MiB header over a raw socket): before,
+  431 after 18 s, peak RSS 90 -> 222 MB and 156 MB after; now 431 in 0.3 s, peak 91 MB.
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from switchyard.errors import error_body
 
+# How long a refused connection's remaining bytes are read and dropped before it closes.
+_LINGER_S = 2.0
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
     header_timeout_s: float
     body_timeout_s: float
     max_connections: int  # 0: unbounded
+    max_header_bytes: int
     retry_after_s: int = 1
 
 
@@ -70,6 +80,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.limits = limits
         self._deadline: asyncio.TimerHandle | None = None
+        # Bytes received since the current request head began (None: its head is complete;
+        # -1: refused as too large).
+        # Counted per read, so a read that also carries body bytes may count them: only a
+        # head still incomplete after the read is refused.
+        self._head_bytes: int | None = 0
 
     def _arm(self, seconds: float, expired: Any) -> None:
         self._disarm()
@@ -84,6 +99,36 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._arm(self.limits.header_timeout_s, self._head_too_slow)
 
+    def data_received(self, data: bytes) -> None:
+        if self._head_bytes is None:
+            super().data_received(data)
+            return
+        if self._head_bytes < 0:  # refused: the rest is read and dropped while we linger
+            return
+        self._head_bytes += len(data)
+        super().data_received(data)
+        if self._head_bytes is not None and self._head_bytes > self.limits.max_header_bytes:
+            self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        """431, then a lingering close: our side is shut at once, the client's bytes are
+        read and dropped for ``_LINGER_S`` (closing with them unread would reset the
+        connection, and the client could lose the 431)."""
+        self._head_bytes = -1
+        if self.transport.is_closing():
+            return
+        self.transport.write(
+            _raw_error(
+                431,
+                b"Request Header Fields Too Large",
+                f"Request headers exceed {self.limits.max_header_bytes} bytes",
+                "headers_too_large",
+            )
+        )
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm(_LINGER_S, self.transport.close)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
@@ -94,6 +139,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.header_timeout_s, self._head_too_slow)
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = None
         self._arm(self.limits.body_timeout_s, self._body_too_slow)
         cap = self.limits.max_connections
         if not cap or len(self.connections) <= cap:
@@ -108,6 +154,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._head_bytes = 0
         super().on_message_complete()
 
     def _head_too_slow(self) -> None:

@@ -304,6 +304,7 @@ def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
                 header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
                 max_connections=settings.max_client_connections,
+                max_header_bytes=settings.max_header_bytes,
                 retry_after_s=settings.retry_after_s,
             ),
         ),

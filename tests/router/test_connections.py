@@ -122,3 +122,24 @@ def test_over_the_connection_cap_requests_get_503_too_many_connections(
     again = connect(router.port)
     again.sendall(health_request())
     assert again.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_head_growing_past_the_header_cap_is_refused_431_before_it_ends(
+    start_router: StartRouter, stub: StubBackend
+) -> None:
+    """The head never ends: the router answers 431 as the bytes pass its cap instead of
+    buffering them until the header timeout."""
+    router = start_router(stub.url, args=("--header-timeout-s", "30"))
+    sock = connect(router.port)
+    sock.sendall(b"GET /health HTTP/1.1\r\nhost: router\r\nx-filler: ")
+    sent = time.monotonic()
+    try:
+        for _ in range(64):
+            sock.sendall(b"a" * 16384)
+    except OSError:
+        pass  # the router closed the connection while we were still sending
+    data, closed = read_until_closed(sock)
+    assert closed - sent < 20
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431")
+    assert orjson.loads(body)["error"]["code"] == "headers_too_large"
