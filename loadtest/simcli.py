@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -13,7 +14,10 @@ import typer
 from loadtest.cli import parse_params
 
 if TYPE_CHECKING:
-    from loadtest.simplan import Plan
+    from rich.console import Console
+
+    from loadtest.simplan import Objective, Plan
+    from loadtest.simulate import SimConfig
 
 Opt = typer.Option
 
@@ -23,6 +27,9 @@ def register(app: typer.Typer) -> None:
     def simulate_command(
         engines: Annotated[int, Opt(help="Simulated engines (router workers).")] = 8,
         dp: Annotated[int, Opt(help="DP ranks per engine (the router picks the rank).")] = 1,
+        prefill_engines: Annotated[
+            int, Opt(help="P/D: this many of the engines prefill, the rest decode (0: unified).")
+        ] = 0,
         workload: Annotated[
             str, Opt(help="multiturn, shared_prefix, random or mooncake.")
         ] = "multiturn",
@@ -91,6 +98,7 @@ def register(app: typer.Typer) -> None:
             slo_tpot_ms=slo_tpot_ms,
             mock_config=mock_config,
             record_token_times=token_times,
+            prefill_engines=prefill_engines,
         )
         # The router's start-up notes (admin API off, ...) mean nothing without a server.
         logging.getLogger("switchyard.router").setLevel(logging.ERROR)
@@ -130,8 +138,13 @@ def register_plan(app: typer.Typer) -> None:
             Path | None, Opt(help="YAML 'mock' section: the engines' timing model and limits.")
         ] = None,
         out: Annotated[Path | None, Opt(help="Directory for plan.png.")] = None,
+        pd_engines: Annotated[
+            int | None,
+            Opt(help="Instead: the best prefill:decode split (xPyD) of this many engines."),
+        ] = None,
     ) -> None:
-        """The fewest simulated engines that meet a TTFT/TPOT objective at a rate."""
+        """The fewest simulated engines that meet a TTFT/TPOT objective at a rate, or the
+        best prefill:decode split of a given fleet (--pd-engines)."""
         from rich.table import Table
 
         from loadtest.report import wide_console
@@ -154,6 +167,13 @@ def register_plan(app: typer.Typer) -> None:
         logging.getLogger("switchyard.router").setLevel(logging.ERROR)
         console = wide_console()
         objective = Objective(slo_ttft_ms, slo_tpot_ms)
+        if pd_engines is not None:
+            title = (
+                f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
+                f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
+            )
+            print_split(console, base, objective, policy, pd_engines, title)
+            return
         try:
             result = plan(
                 base,
@@ -195,6 +215,48 @@ def register_plan(app: typer.Typer) -> None:
         console.print(f"Assumed: {assumptions(base)}")
         if out is not None:
             console.print(f"wrote {plot_plan(result, out)}")
+
+
+def print_split(
+    console: Console, base: SimConfig, objective: Objective, policy: str, engines: int, title: str
+) -> None:
+    """The xPyD search's table, its answer and what it assumed."""
+    from rich.table import Table
+
+    from loadtest.simplan import assumptions, plan_split
+
+    try:
+        result = plan_split(
+            base,
+            objective,
+            policy,
+            engines,
+            on_probe=lambda p, run: console.print(
+                f"  {p}P{engines - p}D: TTFT p90 {run.summary.ttft_ms['p90'] or 0:.0f} ms, "
+                f"TPOT p90 {run.summary.tpot_ms['p90'] or 0:.1f} ms"
+            ),
+        )
+    except (ValueError, TypeError) as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    table = Table(title=title)
+    for col in ("split", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "goodput req/s", "met"):
+        table.add_column(col, justify="right")
+    for p, run in sorted(result.runs.items()):
+        s = run.summary
+        table.add_row(
+            f"{p}P{engines - p}D", f"{s.ttft_ms['p90'] or 0:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
+            f"{s.hit_rate:.3f}", f"{s.goodput_rps:.2f}", "yes" if objective.met(run) else "no",
+        )  # fmt: skip
+    console.print(table)
+    if result.best is None:
+        console.print(f"No split of {engines} engines meets the objective with {policy}.")
+    else:
+        best = result.best
+        console.print(
+            f"Best split with {policy}: {best}P{engines - best}D "
+            f"(the most headroom: {result.headroom(best):.2f} of the objective)."
+        )
+    console.print(f"Assumed: {assumptions(dataclasses.replace(base, prefill_engines=1))}")
 
 
 def plot_plan(result: Plan, out: Path) -> Path:

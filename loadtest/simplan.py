@@ -3,7 +3,11 @@
 Each probe is one ``switchyard simulate`` run of the workload at the given size; sizes
 double until the objective holds, then a bisection finds the smallest that does (the
 objective is assumed to hold at every larger size). The policies are then compared at
-that size. Prefill:decode ratios are not searched: the simulator runs unified workers.
+that size.
+
+``plan_split`` searches the prefill:decode ratio (xPyD) of a fleet of a given size: one
+simulation of the P/D pools per split (every split up to 16 engines, 15 spread ones
+beyond); the best split meets the objective with the most headroom.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ ASSUMPTIONS = (
     "timing model: the mock engine's step time, BLIS fit for Llama-3.1-8B-Instruct on one "
     "H100 (TP=1, vLLM v0.8.4) plus a context term estimated from HBM bandwidth "
     "(mockengine/engine/config.py; --mock-config replaces it); router decisions are "
-    "instant and KV events immediate; unified workers only (no prefill:decode search)."
+    "instant and KV events immediate."
+)
+UNIFIED = "Unified workers only (no prefill:decode split)."
+SPLIT = (
+    "P/D pools: every request disaggregated (vLLM's flow, no decider), a prefill's blocks "
+    "held until the decode leg's first token; KV pull {us:g} us per block."
 )
 
 
@@ -90,11 +99,59 @@ def plan(
     return result
 
 
+@dataclass
+class SplitPlan:
+    objective: Objective
+    policy: str
+    engines: int
+    runs: dict[int, PolicyRun] = field(default_factory=dict)  # prefill engines -> run
+    best: int | None = None  # prefill engines of the best split, None if none met it
+
+    def headroom(self, prefill: int) -> float:
+        """The higher of TTFT p90 and TPOT p90 as shares of their objectives (<= 1 meets)."""
+        s = self.runs[prefill].summary
+        ttft = (s.ttft_ms["p90"] or float("inf")) / self.objective.ttft_p90_ms
+        tpot = (s.tpot_ms["p90"] or 0.0) / self.objective.tpot_p90_ms
+        return max(ttft, tpot)
+
+
+def splits(engines: int) -> list[int]:
+    """Prefill engine counts tried for a fleet of ``engines``."""
+    if engines <= 16:
+        return list(range(1, engines))
+    return sorted({max(1, min(engines - 1, round(engines * k / 16))) for k in range(1, 16)})
+
+
+def plan_split(
+    base: SimConfig,
+    objective: Objective,
+    policy: str,
+    engines: int,
+    on_probe: Callable[[int, PolicyRun], None] | None = None,
+) -> SplitPlan:
+    """Simulate each xPyD split of ``engines``; the best meets the objective with the most
+    headroom."""
+    if engines < 2:
+        raise ValueError("a prefill:decode split needs at least 2 engines")
+    result = SplitPlan(objective, policy, engines)
+    for prefill in splits(engines):
+        cfg = dataclasses.replace(base, engines=engines, prefill_engines=prefill, policies=[policy])
+        run = simulate(cfg).runs[0]
+        result.runs[prefill] = run
+        if on_probe is not None:
+            on_probe(prefill, run)
+    met = [p for p, run in result.runs.items() if objective.met(run)]
+    result.best = min(met, key=result.headroom) if met else None
+    return result
+
+
 def assumptions(cfg: SimConfig) -> str:
     """What the answer rests on, with the timing coefficients actually used."""
     e = cfg.engine_config()
+    pools = SPLIT.format(us=e.kv_transfer_us_per_block) if cfg.prefill_engines else UNIFIED
     return (
-        f"{ASSUMPTIONS} Step = {e.step_base_us:g} us + {e.prefill_token_us:g} us/prefill token "
+        f"{ASSUMPTIONS} {pools} "
+        f"Step = {e.step_base_us:g} us + {e.prefill_token_us:g} us/prefill token "
         f"+ {e.decode_token_us:g} us/decode seq + {e.context_token_us:g} us/context token; "
         f"{e.num_gpu_blocks} KV blocks of {e.block_size} tokens, max {e.max_num_seqs} seqs."
     )

@@ -13,9 +13,18 @@ Times: a workload's seconds are wall seconds of a mock fleet running at ``speed`
 ``bench compare``); the engines run in model time (``arrival × speed``), and reported
 latencies are model time ``/ speed``, i.e. what that mock fleet would show.
 
+With ``prefill_engines`` set, the first that many engines are a prefill pool and the rest
+a decode pool, ranked by the router's P/D pools (``router.pd.pools.Pools``) as its vLLM
+flow does: the decode order and the prefill order at arrival, the prefill leg
+(``max_tokens=1``, its KV held), the prompt recorded as placed on the prefill worker, then
+the decode leg on the first decode worker with the prompt's KV pulled (the engine models
+the transfer); the prefill's held blocks are freed when the decode leg's first token comes.
+The client's TTFT is the decode leg's first token from the request's arrival.
+
 What is not simulated: HTTP and client overheads, the router's own CPU time (the router
 here decides instantly), KV-event transport lag (events are applied at the step that
-emits them), P/D pools (unified workers only), probes, scrapes and failures.
+emits them), the P/D decider (every request is disaggregated) and leg retries, probes,
+scrapes and failures.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from typing import Any, TypeVar
 
 from balancer.fleet import Fleet
 from balancer.settings import BalancerSettings
-from balancer.worker import Outcome, Ticket, WorkerSpec
+from balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
 from kvstore.memory import MemoryIndex
 from kvstore.store import KVStore
 from kvstore.tokenize import CHARS_PER_TOKEN
@@ -48,7 +57,10 @@ from mockengine.serve import engine_config
 from mockengine.settings import MockSettings
 from router.app import RouterApp
 from router.forward import queued_prefill
+from router.pd.pools import Pools
+from router.pd.settings import PDSettings
 from router.request import COMPLETIONS, RoutedRequest
+from router.scheduler.framework import Context
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
 
@@ -84,6 +96,8 @@ class SimConfig:
     mock_config: Path | None = None
     # Keep every token's time (ITL percentiles); off saves memory on large runs.
     record_token_times: bool = True
+    # P/D: the first this many of ``engines`` prefill, the rest decode; 0 = unified workers.
+    prefill_engines: int = 0
 
     def engine_config(self) -> EngineConfig:
         settings = MockSettings.load(
@@ -151,6 +165,7 @@ class SimOutcome:
         return {
             "engines": self.config.engines,
             "dp_size": self.config.dp_size,
+            "prefill_engines": self.config.prefill_engines,
             "workload": self.workload.name,
             "requests": len(self.workload),
             "sim_seconds": round(self.sim_s, 3),
@@ -193,8 +208,15 @@ class SimRouter:
         self.cfg = cfg
         self.now = 0.0
         dp = cfg.dp_size
+        pd = cfg.prefill_engines
+
+        def role(i: int) -> Role:
+            if not pd:
+                return Role.UNIFIED
+            return Role.PREFILL if i < pd else Role.DECODE
+
         specs = [
-            WorkerSpec(url=f"http://sim-engine-{i}", models=[MODEL], dp_size=dp)
+            WorkerSpec(url=f"http://sim-engine-{i}", models=[MODEL], dp_size=dp, role=role(i))
             for i in range(cfg.engines)
         ]
         # Slow start ramps on the wall clock; simulated workers are warm from the start.
@@ -211,6 +233,18 @@ class SimRouter:
         self.app = RouterApp(settings, self.fleet, scheduler, self.store, clock=clock)
         self.tickets: dict[str, Ticket] = {}
         self.decisions = 0
+        self.index_of = {w.id: i for i, w in enumerate(self.workers)}
+        # P/D: both pools ranked by the policy under test, as the router's pools rank them.
+        per_pool = {"prefill": options, "decode": options}
+        self.pools = Pools(
+            self.fleet,
+            PDSettings(prefill_policy=policy, decode_policy=policy, policy_options=per_pool),
+            has_kvstore=True,
+        )
+        # Request id -> (decode worker, prefill context and worker, prompt, output tokens).
+        self.legs: dict[str, tuple[Worker, Context, Worker, list[int], int]] = {}
+        self.pd_output: dict[str, int] = {}  # request id -> output tokens of its decode leg
+        self.output_token_ids: list[int] | None = None
 
     def _clock(self) -> float:
         return self.now
@@ -253,15 +287,60 @@ class SimRouter:
         self.decisions += 1
         return self.engine_of[(worker.id, ticket.rank)]
 
+    def route_pd(self, fleet: VirtualFleet, t: float, request: EngineRequest) -> int:
+        """The prefill leg's engine, with the decode worker chosen at the same moment (the
+        order of the router's vLLM P/D flow)."""
+        self.now = t
+        ids = request.prompt_token_ids
+        req = RoutedRequest(
+            COMPLETIONS, b"", {"model": MODEL, "prompt": ids}, MODEL, True, None,
+            len(ids) * CHARS_PER_TOKEN,
+        )  # fmt: skip
+        rid = request.request_id
+        kv = self.app.kv
+        assert kv is not None
+        pools = self.pools
+        ctx = pools.context(req, rid)
+        decode_workers = self.fleet.candidates(MODEL, Role.DECODE)
+        run_sync(kv.annotate(ctx, req, decode_workers))
+        decode = pools.ranked(Role.DECODE, ctx, decode_workers)
+        pctx = pools.context(req, rid)
+        prefill_workers = self.fleet.candidates(MODEL, Role.PREFILL)
+        if pools.needs_prefix(Role.PREFILL):
+            run_sync(kv.annotate(pctx, req, prefill_workers))
+        prefill = pools.ranked(Role.PREFILL, pctx, prefill_workers)[0]
+        self.tickets[rid] = self.fleet.begin(
+            prefill, prompt_tokens=pctx.prompt_tokens, prefill_tokens=queued_prefill(pctx, prefill)
+        )
+        self.legs[rid] = (decode[0], pctx, prefill, ids, self.pd_output.pop(rid))
+        self.decisions += 1
+        return self.index_of[prefill.id]
+
     def first_token(self, fleet: VirtualFleet, res: RequestResult) -> None:
         self.now = fleet.now
         self.fleet.first_token(self.tickets[res.request_id])
+        if res.request_id.startswith("d"):  # the decode leg pulled the prompt's KV
+            prefill_id = "r" + res.request_id[1:]
+            fleet.release_held(fleet.results[prefill_id].engine_index, prefill_id)
 
     def finished(self, fleet: VirtualFleet, res: RequestResult) -> None:
         self.now = fleet.now
-        ticket = self.tickets.pop(res.request_id)
+        rid = res.request_id
+        ticket = self.tickets.pop(rid)
         ok = res.finish_reason == "length"
         self.fleet.end(ticket, Outcome.SUCCESS if ok else Outcome.CLIENT_ABORT)
+        leg = self.legs.pop(rid, None)
+        if leg is None or not ok:
+            return
+        decode, pctx, prefill, ids, max_tokens = leg
+        run_sync(self.app.kv.placed(pctx, prefill, None))  # type: ignore[union-attr]
+        did = "d" + rid[1:]
+        self.tickets[did] = self.fleet.begin(decode, prompt_tokens=len(ids), prefill_tokens=0)
+        request = EngineRequest(
+            did, ids, max_tokens, remote_prefilled_tokens=len(ids),
+            output_token_ids=self.output_token_ids,
+        )  # fmt: skip
+        fleet.submit(fleet.now, self.index_of[decode.id], request)
 
 
 def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
@@ -280,6 +359,8 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     speed = cfg.speed
     arrivals = iter(workload.requests())
     first: list[float] = []
+    pd = cfg.prefill_engines > 0
+    router.output_token_ids = workload.output_token_ids
 
     def submit_next() -> None:
         item = next(arrivals, None)
@@ -289,12 +370,17 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
         t = arrival_s * speed
         if not first:
             first.append(t)
-        request = EngineRequest(
-            f"r{index}", ids, max_tokens, output_token_ids=workload.output_token_ids
-        )
+        rid = f"r{index}"
+        if pd:  # the prefill leg; its decode leg follows when it finishes
+            router.pd_output[rid] = max_tokens
+            request = EngineRequest(rid, ids, 1, hold_kv_after_prefill=True)
+        else:
+            request = EngineRequest(
+                rid, ids, max_tokens, output_token_ids=workload.output_token_ids
+            )
         fleet.submit(t, None, request)
 
-    decide = router.route
+    decide = router.route_pd if pd else router.route
 
     def route_and_feed(vf: VirtualFleet, t: float, request: EngineRequest) -> int:
         submit_next()
@@ -305,7 +391,15 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     started, cpu = time.perf_counter(), time.process_time()
     fleet.run()
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    results = [_result(r, speed) for r in fleet.results.values()]
+    legs = fleet.results
+    if pd:
+        results = [
+            _result(_client_view(r, legs.get("d" + rid[1:])), speed)
+            for rid, r in legs.items()
+            if rid.startswith("r")
+        ]
+    else:
+        results = [_result(r, speed) for r in legs.values()]
     served = [0] * cfg.engines
     for r in fleet.results.values():
         served[r.engine_index // cfg.dp_size] += 1
@@ -316,6 +410,25 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     ttfts = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     sim_s = fleet.now - (first[0] if first else 0.0)
     return PolicyRun(policy, summary, ttfts, sim_s, wall, cpu, router.decisions)
+
+
+def _client_view(prefill: RequestResult, decode: RequestResult | None) -> RequestResult:
+    """What the client of a P/D request saw: the decode leg's tokens from its own arrival,
+    with the prompt and cache hit of the prefill leg."""
+    if decode is None:
+        return prefill
+    return RequestResult(
+        prefill.request_id,
+        decode.engine_index,
+        prefill.arrival,
+        prefill.prompt_tokens,
+        decode.first_token_time,
+        decode.finish_time,
+        decode.token_times,
+        prefill.num_cached_tokens,
+        decode.output_tokens,
+        decode.finish_reason,
+    )
 
 
 def _result(r: RequestResult, speed: float) -> Result:
@@ -344,6 +457,10 @@ def simulate(cfg: SimConfig, on_run: Callable[[PolicyRun], None] | None = None) 
         raise ValueError("engines must be at least 1")
     if cfg.dp_size < 1:
         raise ValueError("dp_size must be at least 1")
+    if cfg.prefill_engines and not 0 < cfg.prefill_engines < cfg.engines:
+        raise ValueError("prefill_engines must leave at least one decode engine")
+    if cfg.prefill_engines and cfg.dp_size != 1:
+        raise ValueError("P/D pools are simulated with one DP rank per engine")
     if cfg.speed <= 0:
         raise ValueError("speed must be positive")
     if not cfg.policies:
