@@ -27,7 +27,7 @@ from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_ba
 from kvstore.feed import Feed, FeedInfo, Verdict
 from kvstore.index import KVIndex, Location, LocationInfo, Match, rank_matches
 from kvstore.ingest import Ingestor
-from kvstore.keys import block_keys, key_extra
+from kvstore.keys import KeyCache, key_extra
 from kvstore.listener import Listener, TopicMap
 from kvstore.memory import MemoryIndex
 from kvstore.metrics import KVStoreMetrics
@@ -110,6 +110,8 @@ class KVStore:
         self.probe_interval_s = probe_interval_s
         self.replay_timeout_s = replay_timeout_s
         self.metrics = metrics or KVStoreMetrics()
+        # Block keys of prompts seen before: turn k+1 of a chat keys only its new blocks.
+        self.key_cache = KeyCache()
         self.degraded = False
         self._ctx: zmq.asyncio.Context | None = None
         self._subscribers: dict[str, Subscriber] = {}
@@ -159,6 +161,8 @@ class KVStore:
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        for tok in (self.tokenizer, *self.model_tokenizers.values()):
+            tok.close()  # its thread pool; a second close is a no-op
         self._started = False
 
     # -- lookups ---------------------------------------------------------------------------
@@ -202,7 +206,9 @@ class KVStore:
         block_size: int | None = None,
     ) -> list[int]:
         size = block_size or self.block_size
-        return block_keys(token_ids, size, self.seed, key_extra(lora_name, cache_salt))
+        return self.key_cache.block_keys(
+            token_ids, size, self.seed, key_extra(lora_name, cache_salt)
+        )
 
     async def lookup(
         self,
@@ -244,7 +250,7 @@ class KVStore:
         """Matches of a tokenized prompt, each instance keyed in its own block size."""
         groups = self._size_groups(candidates)
         extra = key_extra(lora_name, cache_salt)
-        sized = {b: block_keys(tokens, b, self.seed, extra) for b in groups}
+        sized = {b: self.key_cache.block_keys(tokens, b, self.seed, extra) for b in groups}
         primary = next(iter(groups)) if len(groups) == 1 else self.block_size
         if primary not in sized:
             primary = max(groups, key=lambda b: len(groups[b] or ()))

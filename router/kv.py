@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvstore.keys import KeyCache
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
 from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
@@ -290,6 +291,9 @@ class KVAwareness:
         self.degraded = counters.degraded
         self.tokenize_cache = counters.tokenize_cache
         self._cache_seen: dict[tuple[int, str, str], int] = {}
+        self.key_cache_hit = counters.key_cache_hit
+        self.key_cache_miss = counters.key_cache_miss
+        self._keys_seen = (0, 0)
 
     def has_events(self, worker: Worker) -> bool:
         return self.source.has_events(worker)
@@ -334,6 +338,7 @@ class KVAwareness:
         ctx.cached_blocks = await self.source.occupancy()
         if isinstance(self.source, EmbeddedPrefixes):
             self._count_cache(self.source.store.tokenizer_for(req.model))
+            self._count_keys(self.source.store.key_cache)
 
     def _count_cache(self, tok: RoutingTokenizer) -> None:
         """Move the cache counters by what the tokenizer counted since the last request."""
@@ -345,6 +350,15 @@ class KVAwareness:
                 if delta:
                     seen[key] = total
                     self.tokenize_cache.labels(kind, outcome).inc(delta)
+
+    def _count_keys(self, cache: KeyCache) -> None:
+        """Move the block-key cache counters by what it counted since the last request."""
+        hits, misses = self._keys_seen
+        if cache.hits != hits:
+            self.key_cache_hit.inc(cache.hits - hits)
+        if cache.misses != misses:
+            self.key_cache_miss.inc(cache.misses - misses)
+        self._keys_seen = (cache.hits, cache.misses)
 
     async def occupancy(self) -> dict[str, int]:
         return await self.source.occupancy()

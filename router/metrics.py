@@ -130,3 +130,11 @@ class KVMetrics:
             ["kind", "outcome"],
             registry=registry,
         )
+        key_cache = Counter(
+            "switchyard_router_block_key_cache",
+            "Prompt blocks whose keys came from the block-key cache (hit) or were hashed (miss).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.key_cache_hit = key_cache.labels("hit")
+        self.key_cache_miss = key_cache.labels("miss")
