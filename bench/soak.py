@@ -1,7 +1,8 @@
 """Soak: a router in front of two mock engines under steady load for ``--minutes`` (30).
 
 Prints the router's RSS and open fd count at the start, half way and the end (Linux
-``/proc``), with the requests answered so far, so growth over time shows. Not in CI: it
+``/proc``), with the requests answered so far, so growth over time shows; then each
+failure's reason (HTTP status or client error) by the minute it happened in. Not in CI: it
 runs for as long as asked. ``python -m bench.soak --minutes 2``.
 """
 
@@ -12,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -38,11 +40,13 @@ class Load:
     """Requests sent back to back by ``concurrency`` threads until stopped."""
 
     def __init__(self, url: str, concurrency: int) -> None:
+        self.began = time.monotonic()
         self.url = url
         self.concurrency = concurrency
         self.stop = threading.Event()
         self.ok = 0
         self.failed = 0
+        self.reasons: Counter[str] = Counter()  # why requests failed: status or error class
         self.lock = threading.Lock()
 
     def worker(self, n: int) -> None:
@@ -52,13 +56,19 @@ class Load:
                 body = {"model": MODEL, "prompt": f"soak {n} {i} " * 16, "max_tokens": 8}
                 body["stream"] = i % 2 == 0
                 try:
-                    good = client.post(self.url + "/v1/completions", json=body).status_code == 200
-                except httpx.HTTPError:
-                    good = False
+                    status = client.post(self.url + "/v1/completions", json=body).status_code
+                    reason = "" if status == 200 else f"HTTP {status}"
+                except httpx.HTTPError as exc:
+                    reason = type(exc).__name__
                 with self.lock:
-                    self.ok += good
-                    self.failed += not good
+                    self.ok += not reason
+                    self.failed += bool(reason)
+                    if reason:
+                        self.reasons[f"minute {int(self.minute())}: {reason}"] += 1
                 i += 1
+
+    def minute(self) -> float:
+        return (time.monotonic() - self.began) / 60
 
     def run(self) -> ThreadPoolExecutor:
         pool = ThreadPoolExecutor(self.concurrency)
@@ -102,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         load.stop.set()
         pool.shutdown(wait=True)
+    for reason, count in sorted(load.reasons.items()):
+        print(f"failed: {reason} x{count}")
     return 0
 
 
