@@ -47,9 +47,13 @@ class MemoryIndex:
         self._free: list[int] = []
         self._count: list[int] = []
         self._all_mask = 0
-        # Speculative entries: (key, bit) -> expiry, and a heap to expire them in order.
+        # Speculative entries: (key, bit) -> expiry, and a heap to expire them in order,
+        # one item per placement: (expiry, sequence number, its keys, bit). One push per
+        # placement, not per block (2026-12-01: a 160-block placement took 250 us with a
+        # push per block, and the heap held every repeat until it expired).
         self._spec: dict[tuple[int, int], float] = {}
-        self._spec_heap: list[tuple[float, int, int]] = []
+        self._spec_heap: list[tuple[float, int, list[int], int]] = []
+        self._spec_seq = 0
         self.evicted_blocks = 0
 
     # -- slots ---------------------------------------------------------------------------
@@ -82,13 +86,14 @@ class MemoryIndex:
         heap = self._spec_heap
         spec = self._spec
         while heap and heap[0][0] <= now:
-            expiry, key, bit = heapq.heappop(heap)
-            if spec.get((key, bit)) != expiry:
-                continue
-            del spec[(key, bit)]
-            m = self._map.get(key)
-            if m is not None and m >> bit & 1:
-                self._drop_bit(key, m, bit)
+            expiry, _, keys, bit = heapq.heappop(heap)
+            for key in keys:
+                if spec.get((key, bit)) != expiry:
+                    continue  # confirmed by an event, removed, or placed again since
+                del spec[(key, bit)]
+                m = self._map.get(key)
+                if m is not None and m >> bit & 1:
+                    self._drop_bit(key, m, bit)
 
     def _drop_bit(self, key: int, mask: int, bit: int) -> None:
         rest = mask & ~(1 << bit)
@@ -119,7 +124,7 @@ class MemoryIndex:
         else:
             expiry = self._now() + ttl_s
             spec = self._spec
-            heap = self._spec_heap
+            timed: list[int] = []
             for k in keys:
                 m = pop(k, 0)
                 d[k] = m | b
@@ -128,7 +133,10 @@ class MemoryIndex:
                 elif (k, bit) not in spec:
                     continue  # an engine-confirmed entry is not downgraded to speculative
                 spec[(k, bit)] = expiry
-                heapq.heappush(heap, (expiry, k, bit))
+                timed.append(k)
+            if timed:
+                self._spec_seq += 1
+                heapq.heappush(self._spec_heap, (expiry, self._spec_seq, timed, bit))
         self._count[bit] += added
         if len(d) > self.capacity_blocks:
             self._evict(len(d) - self.capacity_blocks + max(1, self.capacity_blocks // 64))

@@ -27,3 +27,24 @@ def test_a_prefix_that_keeps_hitting_survives_eviction() -> None:
         assert idx.lookup_sync(hot, block_size=16)[0].matched_tokens == 64
     cold = block_keys(list(range(10_000, 10_080)), 16)
     assert idx.lookup_sync(cold, block_size=16) == []
+
+
+def test_a_placement_again_within_its_ttl_extends_it_for_every_block() -> None:
+    now = [0.0]
+    idx = MemoryIndex(clock=lambda: now[0])
+    keys = block_keys(list(range(160)), 16)
+    idx.add_sync(keys, Location(A), ttl_s=10.0)
+    now[0] = 8.0
+    idx.add_sync(keys, Location(A), ttl_s=10.0)
+    now[0] = 12.0
+    assert idx.lookup_sync(keys, block_size=16)[0].matched_tokens == 160
+    now[0] = 18.5
+    assert idx.lookup_sync(keys, block_size=16) == []
+
+
+def test_repeated_speculative_placements_queue_one_expiry_each_not_one_per_block() -> None:
+    idx = MemoryIndex(clock=lambda: 0.0)
+    keys = block_keys(list(range(1600)), 16)
+    for _ in range(50):
+        idx.add_sync(keys, Location(A), ttl_s=30.0)
+    assert len(idx._spec_heap) == 50
