@@ -240,6 +240,8 @@ class Fleet:
         queued = prompt_tokens if prefill_tokens is None else prefill_tokens
         rank = dp_rank if dp_rank is not None and 0 <= dp_rank < len(worker.ranks) else 0
         trial = worker.breaker.on_begin()
+        if worker.sent_since_scrape == 0 and worker.inflight == 0 and self._prober is not None:
+            self._prober.demand(worker)  # an idle worker's scrape was stretched: due now
         counters = worker.ranks[rank]
         counters.inflight += 1
         counters.prefill_tokens += queued

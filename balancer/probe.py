@@ -3,12 +3,26 @@
 The fleet owns the registry and decides what a result means for routing; this module
 only does the I/O and tells the fleet what it saw (``set_healthy``, ``set_models``).
 A connect error on the request path wakes a worker's task for an early probe.
+
+Its cost is bounded for large fleets (issue 13: with 400 workers the router spent 26%
+of a core idle on probes and scrapes). While a fleet is small (workers / budget under
+``probe_interval_s``) every worker is probed and scraped at the base intervals, as
+before. Beyond that, a worker that passed its probes backs off (the interval doubles
+per good probe) up to ``workers / probe_budget_per_s``, at most
+``probe_max_interval_s``; one failed probe or a connect error brings it back to the
+base interval. An idle worker (nothing in flight, nothing sent since its last scrape,
+and that scrape showed no running or waiting request) is scraped on the same stretched
+interval: the router's own count of its requests is the fresh load signal then. The
+first request sent to it asks for a scrape at once. Every interval is jittered by
+±10% so the fleet's probes do not bunch, and at most ``_MAX_CONNECTIONS`` requests
+of the prober are in flight at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from typing import TYPE_CHECKING
 
@@ -17,6 +31,7 @@ import orjson
 
 from balancer import dp
 from balancer.scrape import Scrape, parse_metrics
+from balancer.settings import BalancerSettings
 from balancer.worker import EngineSample, Worker
 
 if TYPE_CHECKING:
@@ -26,6 +41,14 @@ log = logging.getLogger("switchyard.balancer.probe")
 
 # Shortest gap between a wake-up probe and the probe before it.
 _MIN_WAKE_GAP_S = 0.05
+# Each interval is drawn from [1 - _JITTER, 1 + _JITTER] times its nominal length.
+_JITTER = 0.1
+# Probe, model and scrape requests in flight at once (aiohttp's default is 100; at
+# start a 2,000-worker fleet's tasks all probe at once and wait their turn here).
+_MAX_CONNECTIONS = 64
+# Idle keep-alive connections to workers stay open this long, longer than a stretched
+# interval, so a probe of a large fleet reuses its connection instead of a new one.
+_KEEPALIVE_S = 75.0
 
 
 class Prober:
@@ -37,10 +60,14 @@ class Prober:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
+        self._probe_asked: set[str] = set()
+        self._rng = random.Random()
 
     async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s)
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s),
         )
         for worker in self.fleet.workers():
             self.watch(worker)
@@ -49,6 +76,7 @@ class Prober:
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self._wake.clear()
+        self._probe_asked.clear()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -69,28 +97,51 @@ class Prober:
         if task is not None:
             task.cancel()
         self._wake.pop(worker_id, None)
+        self._probe_asked.discard(worker_id)
 
     def wake(self, worker: Worker) -> None:
         """Probe ``worker`` now rather than at its next interval (it just failed a connect)."""
         event = self._wake.get(worker.id)
         if event is not None:
+            self._probe_asked.add(worker.id)
             event.set()
+
+    def demand(self, worker: Worker) -> None:
+        """A request went to ``worker`` after an idle scrape: scrape it at the busy interval."""
+        event = self._wake.get(worker.id)
+        if event is not None:
+            event.set()
+
+    def _jittered(self, interval_s: float) -> float:
+        return interval_s * self._rng.uniform(1.0 - _JITTER, 1.0 + _JITTER)
 
     async def _loop(self, worker: Worker) -> None:
         s = self.settings
         next_probe = next_scrape = next_models = 0.0
-        last_probe = float("-inf")
+        last_probe = last_scrape = float("-inf")
+        interval = s.probe_interval_s
         event = self._wake[worker.id]
         while True:
             now = time.monotonic()
             if event.is_set():
                 event.clear()
-                if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval_s):
-                    next_probe = now
+                if worker.id in self._probe_asked:
+                    self._probe_asked.discard(worker.id)
+                    interval = s.probe_interval_s
+                    if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval_s):
+                        next_probe = now
+                if busy(worker):
+                    next_scrape = min(next_scrape, last_scrape + s.scrape_interval_s)
             if now >= next_probe:
                 last_probe = now
-                await self._probe(worker)
-                next_probe = time.monotonic() + s.probe_interval_s
+                passed = await self._probe(worker)
+                stable = passed and worker.healthy
+                interval = (
+                    min(interval * 2, stretched(s, s.probe_interval_s, len(self._tasks)))
+                    if stable
+                    else s.probe_interval_s
+                )
+                next_probe = time.monotonic() + self._jittered(interval)
             if worker.healthy and (not worker.models or now >= next_models):
                 if not worker.spec.models:
                     await self._refresh_models(worker)
@@ -99,10 +150,19 @@ class Prober:
                 )
             if worker.healthy and now >= next_scrape:
                 await self._scrape(worker)
-                next_scrape = time.monotonic() + s.scrape_interval_s
+                last_scrape = time.monotonic()
+                every = (
+                    s.scrape_interval_s
+                    if busy(worker)
+                    else stretched(s, s.scrape_interval_s, len(self._tasks))
+                )
+                next_scrape = last_scrape + self._jittered(every)
             wait = min(next_probe, next_scrape, next_models) - time.monotonic()
+            # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a
+            # set event (gh-86296), and ``demand`` sets it on every idle worker's request.
             try:
-                await asyncio.wait_for(event.wait(), timeout=max(wait, 0.01))
+                async with asyncio.timeout(max(wait, 0.01)):
+                    await event.wait()
             except TimeoutError:
                 pass
 
@@ -114,7 +174,8 @@ class Prober:
     def _registered(self, worker: Worker) -> bool:
         return self.fleet.get(worker.id) is worker
 
-    async def _probe(self, worker: Worker) -> None:
+    async def _probe(self, worker: Worker) -> bool:
+        """Probe once; True if the worker answered 2xx."""
         s = self.settings
         try:
             status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout_s)
@@ -122,18 +183,19 @@ class Prober:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, error = False, f"probe {type(exc).__name__}"
         if not self._registered(worker):
-            return
+            return ok
         if ok:
             worker.probe_failures = 0
             worker.probe_successes += 1
             if not worker.healthy and worker.probe_successes >= s.healthy_threshold:
                 self.fleet.set_healthy(worker, True)
-            return
+            return ok
         worker.probe_successes = 0
         worker.probe_failures += 1
         worker.last_error = error
         if worker.healthy and worker.probe_failures >= s.unhealthy_threshold:
             self.fleet.set_healthy(worker, False, reason=error)
+        return ok
 
     async def _refresh_models(self, worker: Worker) -> None:
         try:
@@ -163,6 +225,22 @@ class Prober:
                 return
             samples.append(parse_metrics(body.decode("utf-8", "replace")))
         apply_scrape(worker, samples)
+
+
+def stretched(settings: BalancerSettings, base_s: float, workers: int) -> float:
+    """The longest interval a stable worker gets: ``workers`` spread over the budget, never
+    below ``base_s`` (a small fleet keeps its base intervals) nor above the maximum."""
+    spread = workers / settings.probe_budget_per_s
+    return max(base_s, min(spread, settings.probe_max_interval_s))
+
+
+def busy(worker: Worker) -> bool:
+    """Whether the worker's load may have moved since its last scrape: requests in flight
+    or sent since, or the scrape itself saw running or waiting requests."""
+    if worker.inflight or worker.sent_since_scrape:
+        return True
+    sample = worker.engine
+    return sample is not None and (sample.running > 0 or sample.waiting > 0)
 
 
 def apply_scrape(worker: Worker, samples: list[Scrape]) -> None:

@@ -76,6 +76,17 @@ class BalancerSettings(ServiceSettings):
     probe_path: str = Field(default="/health", description="health probe path")
     unhealthy_threshold: int = Field(default=1, description="failed probes before a worker leaves")
     healthy_threshold: int = Field(default=2, description="good probes before it returns")
+    # Large fleets (balancer.probe): stable workers back off to workers / budget seconds.
+    probe_budget_per_s: float = Field(
+        default=100.0,
+        gt=0,
+        description="probes (and idle scrapes) per second a large fleet is spread to",
+    )
+    probe_max_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest probe or idle-scrape interval of a stable worker",
+    )
     model_refresh_interval_s: float = Field(
         default=30.0,
         validation_alias=AliasChoices("model_refresh_interval_s", "model_refresh_interval"),

@@ -1,0 +1,136 @@
+"""Probe and scrape cost stays bounded for large fleets; small fleets keep their intervals."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from balancer.probe import busy, stretched
+from balancer.worker import EngineSample, Worker
+from tests.balancer.fleet_stubs import StubEngine, eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+IDLE_VLLM = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+
+
+class CountingStub(StubEngine):
+    """A stub engine that also counts its ``/metrics`` scrapes."""
+
+    def __init__(self, metrics: str = IDLE_VLLM) -> None:
+        super().__init__(("m",), metrics)
+        self.scrapes = 0
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
+        return await super()._metrics(request)
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[CountingStub]:
+    engine = CountingStub()
+    await engine.start()
+    yield engine
+    await engine.stop()
+
+
+def test_small_fleet_keeps_its_base_intervals() -> None:
+    s = BalancerSettings()
+    assert stretched(s, s.probe_interval_s, 8) == s.probe_interval_s
+    assert stretched(s, s.scrape_interval_s, 8) == s.scrape_interval_s
+
+
+def test_large_fleet_is_spread_over_the_budget() -> None:
+    s = BalancerSettings(probe_budget_per_s=100.0)
+    assert stretched(s, s.probe_interval_s, 2000) == 20.0
+    assert stretched(s, s.scrape_interval_s, 2000) == 20.0
+
+
+def test_stretched_interval_is_capped() -> None:
+    s = BalancerSettings(probe_budget_per_s=100.0, probe_max_interval_s=30.0)
+    assert stretched(s, s.probe_interval_s, 100_000) == 30.0
+
+
+def test_worker_is_idle_only_without_requests_and_with_an_idle_scrape() -> None:
+    worker = Worker(WorkerSpec("http://127.0.0.1:1"), BalancerSettings())
+    worker.engine = EngineSample(running=0, waiting=0, kv_usage=0.0)
+    assert not busy(worker)
+    worker.sent_since_scrape = 1
+    assert busy(worker)
+    worker.sent_since_scrape = 0
+    worker.engine = EngineSample(running=0, waiting=2, kv_usage=0.1)
+    assert busy(worker), "another client's queued requests keep it busy"
+
+
+def tiny_budget(**overrides: float) -> BalancerSettings:
+    """One worker over a budget of 0.2/s: its intervals may stretch to 5 s."""
+    values = {
+        "probe_interval_s": 0.05,
+        "probe_timeout_s": 0.5,
+        "scrape_interval_s": 0.05,
+        "probe_budget_per_s": 0.2,
+        "probe_max_interval_s": 5.0,
+    }
+    values.update(overrides)
+    return BalancerSettings.model_validate(values)
+
+
+async def test_stable_worker_is_probed_less_and_less_often(stub: CountingStub) -> None:
+    fleet = Fleet(tiny_budget(), [WorkerSpec(stub.url)])
+    await fleet.start()
+    try:
+        await asyncio.sleep(1.2)
+        probes = stub.probes
+    finally:
+        await fleet.stop()
+    assert 2 <= probes <= 8, "0.05 s doubling: about 5 probes in 1.2 s, not 24"
+
+
+async def test_worker_within_budget_is_probed_at_the_base_interval(stub: CountingStub) -> None:
+    fleet = Fleet(tiny_budget(probe_budget_per_s=1000.0), [WorkerSpec(stub.url)])
+    await fleet.start()
+    try:
+        await asyncio.sleep(1.2)
+        probes = stub.probes
+    finally:
+        await fleet.stop()
+    assert probes >= 10, "0.05 s interval: about 24 probes in 1.2 s"
+
+
+async def test_connect_error_probes_a_backed_off_worker_at_once(stub: CountingStub) -> None:
+    fleet = Fleet(tiny_budget(), [WorkerSpec(stub.url)])
+    await fleet.start()
+    try:
+        await asyncio.sleep(1.0)  # the interval has grown past 0.4 s
+        worker = fleet.get(stub.url)
+        assert worker is not None
+        before = stub.probes
+        fleet.end(fleet.begin(worker), Outcome.CONNECT_ERROR)
+        took = await eventually(lambda: stub.probes > before, timeout=2.0)
+    finally:
+        await fleet.stop()
+    assert took < 0.3
+
+
+async def test_idle_worker_is_scraped_rarely_and_at_once_when_sent_a_request(
+    stub: CountingStub,
+) -> None:
+    fleet = Fleet(tiny_budget(), [WorkerSpec(stub.url)])
+    await fleet.start()
+    try:
+        worker = fleet.get(stub.url)
+        assert worker is not None
+        await eventually(lambda: worker.scraped_at is not None)
+        await asyncio.sleep(1.0)
+        idle_scrapes = stub.scrapes
+        ticket = fleet.begin(worker)
+        took = await eventually(lambda: stub.scrapes > idle_scrapes, timeout=2.0)
+        fleet.end(ticket, Outcome.SUCCESS)
+    finally:
+        await fleet.stop()
+    assert idle_scrapes <= 2, "an idle worker's scrape stretches to 5 s, not every 0.05 s"
+    assert took < 0.3
