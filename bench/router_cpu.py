@@ -66,7 +66,7 @@ def schedule_buckets(url: str) -> dict[float, float]:
             text = r.read().decode()
     except OSError:
         return {}
-    return {float(s.labels["le"]): s.value for s in samples(text) if s.name == SCHEDULE}
+    return {float(s.labels["le"]): s.value for s in samples(text, SCHEDULE) if s.name == SCHEDULE}
 
 
 def bucket_quantile(buckets: dict[float, float], q: float) -> float | None:

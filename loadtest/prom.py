@@ -11,18 +11,31 @@ from collections.abc import Iterator
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+_SUFFIXES = ("_total", "_bucket", "_count", "_sum", "_created", "_info")
 
-def samples(text: str) -> Iterator[Sample]:
+
+def samples(text: str, family: str | None = None) -> Iterator[Sample]:
     """Every sample of the exposition (counters keep their ``_total`` sample name).
 
     A malformed line (an HTML error page, a bad value) ends the reading with what came
     before it, as ``balancer.scrape`` does, so a broken endpoint reads as missing metrics.
+    With ``family`` (a sample name), only the lines of that family reach the parser
+    (samples and its HELP/TYPE), so a large exposition costs a line scan, not a parse.
     """
+    if family is not None:
+        text = "\n".join(_lines_of(text, family))
     try:
-        for family in text_string_to_metric_families(text):
-            yield from family.samples
+        for parsed in text_string_to_metric_families(text):
+            yield from parsed.samples
     except ValueError:
         return
+
+
+def _lines_of(text: str, name: str) -> Iterator[str]:
+    base = next((name[: -len(s)] for s in _SUFFIXES if name.endswith(s)), name)
+    for line in text.splitlines():
+        if line.startswith(base) or (line.startswith("#") and base in line):
+            yield line
 
 
 def totals(text: str) -> dict[str, float]:
@@ -37,11 +50,11 @@ def values(text: str, name: str, **labels: str) -> list[float]:
     """The values of the samples called ``name`` whose labels include ``labels``."""
     return [
         s.value
-        for s in samples(text)
+        for s in samples(text, name)
         if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     ]
 
 
 def labels_of(text: str, name: str) -> list[dict[str, str]]:
     """The label sets of the samples called ``name`` (an info gauge's payload)."""
-    return [s.labels for s in samples(text) if s.name == name]
+    return [s.labels for s in samples(text, name) if s.name == name]

@@ -43,3 +43,13 @@ def test_labels_of_an_info_gauge_are_its_payload() -> None:
 def test_a_malformed_line_ends_the_reading_with_what_came_before() -> None:
     assert totals('a 1\nb{x="1"} not-a-number\nc 2\n') == {"a": 1.0}
     assert totals("<html><body>502 Bad Gateway</body></html>") == {}
+
+
+def test_values_of_one_family_are_read_past_a_malformed_line_of_another() -> None:
+    text = 'b{x="1"} not-a-number\n' + TEXT
+    assert values(text, "vllm:num_requests_running", engine="0") == [2.0]
+
+
+def test_a_counter_sample_written_without_total_is_read_under_its_total_name() -> None:
+    text = "# TYPE jobs counter\njobs 3.0\n# TYPE other gauge\nother 1.0\n"
+    assert values(text, "jobs_total") == [3.0]
