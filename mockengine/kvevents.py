@@ -3,10 +3,11 @@
 Follows ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``): the batch is the
 positional array ``[ts, events, data_parallel_rank]``; events are tagged by class name,
 either as positional arrays (``encoding="array"``, older vLLM and SGLang) or as maps with
-a ``"type"`` key (``encoding="map"``, vLLM #42892 and later). A ROUTER socket answers
-replay requests (``[identity, b"", start_seq]``) with every buffered ``[seq, payload]``
-from ``start_seq`` on, then the end marker ``[-1 as signed 8 bytes, b""]``. Endpoint ports
-are offset by the DP rank, as vLLM does.
+a ``"type"`` key (``encoding="map"``, vLLM #42892 and later, 0.32 included). A ROUTER socket
+answers replay requests (``[identity, b"", start_seq]``) with every buffered
+``[topic, seq, payload]`` from ``start_seq`` on, then the end marker
+``[b"", -1 as signed 8 bytes, b""]`` (vLLM 0.32's ``_service_replay``). Endpoint ports are
+offset by the DP rank, as vLLM does.
 
 Payloads are encoded by the caller (microseconds) and handed to a background thread over
 an inproc socket without blocking: if that thread falls ``max_queue`` batches behind, new
@@ -116,7 +117,7 @@ class KVEventPublisher:
         endpoint: str,
         replay_endpoint: str | None = None,
         topic: str = "",
-        encoding: Encoding = "array",
+        encoding: Encoding = "map",
         dp_rank: int = 0,
         buffer_batches: int = 10_000,
         hwm: int = 100_000,
@@ -259,5 +260,7 @@ class KVEventPublisher:
         start_seq = int.from_bytes(start, "big")
         for seq, payload in self._buffer:
             if seq >= start_seq:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
+                self._replay.send_multipart(
+                    (client, b"", self.topic, seq.to_bytes(8, "big"), payload)
+                )
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.settings import ServiceSettings
@@ -62,7 +62,7 @@ class MockSettings(ServiceSettings):
     kv_events_port: int | None = Field(default=None, description="ZMQ PUB port (+rank)")
     kv_events_replay_port: int | None = Field(default=None, description="ZMQ replay port (+rank)")
     kv_events_encoding: Literal["array", "map"] = Field(
-        default="array", description="array (older vLLM) or map"
+        default="map", description="map (vLLM 0.32; SGLang's default: array) or array"
     )
     kv_events_topic: str = Field(default="", description="ZMQ topic")
 
@@ -84,3 +84,13 @@ class MockSettings(ServiceSettings):
     fault_drop_after_tokens: int = Field(default=0, description="cut streams after N tokens")
     fault_drop_rate: float = Field(default=1.0, description="fraction of streams cut")
     fault_kv_gap: int = Field(default=0, description="skip N KV-event seqs at start")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flavor_encoding(cls, data: Any) -> Any:
+        """Unless set, events go out as the flavour's engine sends them: vLLM 0.32 as maps
+        (msgspec tagged structs; tests/fixtures/vllm_real/events.msgpack), SGLang as arrays."""
+        if isinstance(data, dict) and data.get("kv_events_encoding") is None:
+            encoding = "array" if data.get("flavor") == "sglang" else "map"
+            return {**data, "kv_events_encoding": encoding}
+        return data

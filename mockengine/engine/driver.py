@@ -150,7 +150,7 @@ class RealClockEngine:
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's ``/reset_prefix_cache``: refused (False) while blocks are in use."""
-        return self.core.reset_prefix_cache(self.model_now(), time.time())
+        return self.core.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         return self.core.stats()

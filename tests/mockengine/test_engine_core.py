@@ -67,8 +67,23 @@ def test_finished_request_blocks_stay_cached_but_not_in_use() -> None:
     core = EngineCore(cfg())
     core.add_request(req("a", prompt(160)))
     run_core(core)
-    assert core.stats().kv_cache_usage == pytest.approx(1 / 256)
+    assert core.stats().kv_cache_usage == 0.0  # vLLM leaves the null block out
     assert len(core.pool.cached) == 10
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_cached_ones() -> None:
+    # vLLM 0.32 prepends a freed partial tail to the free queue and appends cached blocks.
+    core = EngineCore(cfg(num_gpu_blocks=9))  # 8 usable blocks of 16
+    a = prompt(40, 1)  # 2 cached blocks and a partial tail
+    core.add_request(req("a", a, 1))
+    t = run_core(core)
+    core.add_request(req("b", prompt(56, 5000), 1))  # 3 cached blocks and a tail: 1 left
+    t = run_core(core, t)
+    core.add_request(req("c", prompt(33, 9000), 1))  # 3 blocks: both tails and the last one
+    t = run_core(core, t)
+    again = core.add_request(req("a2", a, 1))
+    run_core(core, t)
+    assert again.num_cached_tokens == 32
 
 
 def test_eviction_under_small_cache_emits_block_removed_and_loses_the_hit() -> None:
@@ -283,16 +298,28 @@ def test_router_hook_chooses_the_engine_at_arrival() -> None:
     assert [s[1] for s in seen] == [0, 1, 2, 3]
 
 
-def test_reset_prefix_cache_clears_hits_and_emits_all_blocks_cleared() -> None:
+def test_reset_prefix_cache_clears_hits() -> None:
+    core = EngineCore(cfg())
+    core.add_request(req("a", prompt(100), 1))
+    t = run_core(core)
+    assert core.reset_prefix_cache() is True
+    again = core.add_request(req("b", prompt(100), 1))
+    run_core(core, t)
+    assert again.num_cached_tokens == 0
+
+
+def test_all_blocks_cleared_is_published_with_the_next_step_as_vllm_does() -> None:
     batches: list[KVEventBatch] = []
     core = EngineCore(cfg(), event_sink=batches.append)
     core.add_request(req("a", prompt(100), 1))
     t = run_core(core)
-    assert core.reset_prefix_cache(t) is True
-    assert isinstance(batches[-1].events[-1], AllBlocksCleared)
-    again = core.add_request(req("b", prompt(100), 1))
+    published = len(batches)
+    assert core.reset_prefix_cache() is True
+    assert len(batches) == published
+    core.add_request(req("b", prompt(100), 1))
     run_core(core, t)
-    assert again.num_cached_tokens == 0
+    assert isinstance(batches[published].events[0], AllBlocksCleared)
+    assert isinstance(batches[published].events[1], BlockStored)
 
 
 def test_reset_prefix_cache_is_refused_while_requests_hold_blocks() -> None:

@@ -15,6 +15,7 @@ from mockengine.engine.config import EngineConfig
 from mockengine.engine.core import EngineCore
 from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from mockengine.kvevents import END_SEQ, KVEventPublisher, encode_batch, offset_endpoint_port
+from mockengine.settings import MockSettings
 from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -110,7 +111,7 @@ def test_frames_on_the_wire_match_the_vllm_goldens(
 def test_engine_events_through_the_publisher_match_the_sglang_golden(
     ports: tuple[int, int],
 ) -> None:
-    pub, sub = open_pair(ports[0])
+    pub, sub = open_pair(ports[0], encoding="array")
     core = EngineCore(EngineConfig(num_gpu_blocks=64, hash_flavor="sglang"), event_sink=pub.publish)
     try:
         wait_connected(pub, sub)
@@ -142,7 +143,8 @@ def test_engine_events_through_the_publisher_match_the_vllm_map_golden(
         pub.close()
 
 
-def replay_from(port: int, start: int) -> list[tuple[int, bytes]]:
+def replay_from(port: int, start: int) -> list[tuple[bytes, int, bytes]]:
+    """``(topic, seq, payload)`` of each replayed batch, as vLLM 0.32's replay answers."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(f"tcp://127.0.0.1:{port}")
@@ -150,17 +152,17 @@ def replay_from(port: int, start: int) -> list[tuple[int, bytes]]:
         sock.send_multipart((b"", start.to_bytes(8, "big")))
         out = []
         while True:
-            _, seq, payload = sock.recv_multipart()
+            _, topic, seq, payload = sock.recv_multipart()
             if seq == END_SEQ:
-                assert payload == b""
+                assert (topic, payload) == (b"", b"")
                 return out
-            out.append((int.from_bytes(seq, "big"), payload))
+            out.append((topic, int.from_bytes(seq, "big"), payload))
     finally:
         sock.close(linger=0)
 
 
 def test_replay_returns_the_batches_a_subscriber_missed(ports: tuple[int, int]) -> None:
-    pub, sub = open_pair(ports[0], ports[1])
+    pub, sub = open_pair(ports[0], ports[1], encoding="array")
     try:
         last = wait_connected(pub, sub)
         pub.drop_next(2)
@@ -169,13 +171,35 @@ def test_replay_returns_the_batches_a_subscriber_missed(ports: tuple[int, int]) 
         _, seq, _ = sub.recv()
         assert seq == last + 3  # the two before it never arrived
         replayed = replay_from(ports[1], last + 1)
-        assert [s for s, _ in replayed] == [last + 1, last + 2, last + 3]
-        assert [msgpack.unpackb(p)[1] for _, p in replayed] == [
+        assert [s for _, s, _ in replayed] == [last + 1, last + 2, last + 3]
+        assert [msgpack.unpackb(p)[1] for _, _, p in replayed] == [
             [["BlockRemoved", [i], "GPU"]] for i in range(3)
         ]
     finally:
         sub.close()
         pub.close()
+
+
+def test_replayed_batches_carry_the_topic_frame_as_vllm_sends_them(
+    ports: tuple[int, int],
+) -> None:
+    pub, sub = open_pair(ports[0], ports[1], topic="kv@10.0.0.7@m")
+    try:
+        last = wait_connected(pub, sub)
+        pub.publish(KVEventBatch(1.0, [AllBlocksCleared()]))
+        sub.recv()
+        assert [t for t, _, _ in replay_from(ports[1], last + 1)] == [b"kv@10.0.0.7@m"]
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_a_vllm_mock_encodes_events_as_maps_as_vllm_0_32_does() -> None:
+    assert MockSettings.load().kv_events_encoding == "map"
+
+
+def test_an_sglang_mock_encodes_events_as_arrays() -> None:
+    assert MockSettings.load(flavor="sglang").kv_events_encoding == "array"
 
 
 def test_injected_gap_skips_sequence_numbers(ports: tuple[int, int]) -> None:

@@ -106,4 +106,4 @@ def test_kv_events_of_a_rank_carry_that_rank_on_port_plus_rank() -> None:
     batch = msgpack.unpackb(payload, raw=False)
     assert len(seq) == 8
     assert batch[2] == 1
-    assert batch[1][0][0] == "BlockStored"
+    assert batch[1][0]["type"] == "BlockStored"

@@ -192,7 +192,7 @@ def test_kv_drop_loses_batches_on_the_wire_that_replay_recovers() -> None:
             dealer.send_multipart([b"", missing[0].to_bytes(8, "big")])
             replayed: list[int] = []
             while True:
-                _, seq, _payload = dealer.recv_multipart()
+                *_, seq, _payload = dealer.recv_multipart()  # [b"", topic, seq, payload]
                 if seq == (-1).to_bytes(8, "big", signed=True):
                     break
                 replayed.append(int.from_bytes(seq, "big"))

@@ -102,12 +102,14 @@ def test_vllm_decode_recomputes_when_the_held_kv_is_gone(vllm_pair) -> None:
 
 
 def test_vllm_prefill_frees_unpulled_blocks_after_the_hold_expires() -> None:
-    prefill = start("--role", "prefill", "--held-kv-timeout-s", "2")
+    # 100 s of model time at speed 20: 5 s of wall time to see the hold (0.1 s was
+    # often over before the scrape on a loaded machine).
+    prefill = start("--role", "prefill", "--held-kv-timeout-s", "100")
     try:
         idle = metric_of(prefill, "vllm:kv_cache_usage_perc")
         prefill_leg(prefill, "never-pulled")
         assert metric_of(prefill, "vllm:kv_cache_usage_perc") > idle
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 20
         while time.monotonic() < deadline and metric_of(prefill, "vllm:kv_cache_usage_perc") > idle:
             time.sleep(0.02)
         assert metric_of(prefill, "vllm:kv_cache_usage_perc") == idle

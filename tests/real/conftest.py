@@ -2,7 +2,10 @@
 
 Two single-rank engines serve the tiny random-weight Llama (block size 32) for the whole
 run; a third engine runs two data-parallel ranks, and the failure test at the end of
-``test_real_dp_engine.py`` kills it. They start together: a start costs a minute or more
+``test_real_dp_engine.py`` kills it. The two single-rank engines also load vLLM's
+NixlConnector (role kv_both, KV buffer in host memory), so ``test_real_pd.py`` runs them
+as a prefill and a decode engine with no engines of its own; a request without
+``kv_transfer_params`` is served as before. They start together: a start costs a minute or more
 of CPU on this two-core machine and overlaps with the others' waiting. Without vLLM
 installed every test here is skipped, with the reason.
 """
@@ -53,7 +56,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
     """Engines on cores 0 and 1, and a two-rank engine on both cores."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    single = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL)
+    single = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, nixl=True)
     dp = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, data_parallel_size=2)
     engines: list[VllmEngine] = []
     try:
