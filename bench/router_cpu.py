@@ -6,9 +6,12 @@ requests (utime + stime of its process from ``/proc/PID/stat``, over the replay 
 the schedule-time histogram (``switchyard_router_schedule_seconds``; smg exposes none)
 and the clients' TTFT. ``--micro`` instead times the scheduling lookup per turn in this
 process, with the message cache on and off, alternating; ``--ingest`` times KV-event
-batches applied by the store (each one holds the event loop while it runs). Usage::
+batches applied by the store (each one holds the event loop while it runs); ``--idle``
+prints each router's CPU with no traffic (probes, scrapes, event feeds), which every
+replay's CPU-seconds include. Usage::
 
     python -m bench.router_cpu [multiturn mooncake] [--requests 300] [--repeats 2]
+    python -m bench.router_cpu --idle [--idle-s 20]
     python -m bench.router_cpu --micro [--requests 600]
     python -m bench.router_cpu --ingest [--requests 2000]
 
@@ -111,6 +114,29 @@ def one_run(fleet: MockFleet, spec: RouterSpec, workload: Workload, repeat: int)
         buckets = schedule_buckets(router.url)
     ttft = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     return Row(workload.name, spec.label, repeat, sum(r.ok for r in results), cpu, ttft, buckets)
+
+
+def idle_bench(args: argparse.Namespace) -> None:
+    """CPU of each router in front of the mock fleet, with no requests."""
+    specs = [RouterSpec.parse(r) for r in args.routers]
+    print(f"idle routers, {args.engines} engines; load {os.getloadavg()[0]:.1f}")
+    with MockFleet(args.engines, 300, args.speed, args.seed) as fleet:
+        for repeat in range(args.repeats):
+            for spec in run_order(specs, repeat):
+                try:
+                    with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
+                        time.sleep(2.0)
+                        before = process_cpu_s(router.proc.pid)
+                        time.sleep(args.idle_s)
+                        cpu = process_cpu_s(router.proc.pid) - before
+                except Unavailable as exc:
+                    print(f"{spec.label}: not available ({exc})", file=sys.stderr)
+                    continue
+                print(
+                    f"{spec.label:>16} run {repeat + 1}: {cpu:.2f} CPU-s in {args.idle_s:g} s "
+                    f"({cpu / args.idle_s:.1%} of a core)",
+                    flush=True,
+                )
 
 
 def histogram_lines(rows: list[Row]) -> list[str]:
@@ -292,11 +318,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--micro", action="store_true", help="schedule lookup per turn, in-process")
     ap.add_argument("--ingest", action="store_true", help="KV-event ingestion cost, in-process")
+    ap.add_argument("--idle", action="store_true", help="each router's CPU with no traffic")
+    ap.add_argument("--idle-s", type=float, default=20.0, help="seconds measured with --idle")
     args = ap.parse_args(argv)
     bad = [w for w in args.workloads if w not in ("multiturn", "mooncake")]
     if bad or args.requests < 1 or args.repeats < 1:
         ap.error(f"workloads are multiturn and mooncake; counts must be positive ({bad or ''})")
-    if args.ingest:
+    if args.idle_s <= 0:
+        ap.error("--idle-s must be positive")
+    if args.idle:
+        idle_bench(args)
+    elif args.ingest:
         ingest_bench(args)
     elif args.micro:
         micro_bench(args)
