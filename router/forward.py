@@ -64,8 +64,8 @@ class FirstByteDeadlines:
     context, so its deadline is the learned time of whole answers instead (the prediction
     of the "whole" kind, scaled by their observed 90th-percentile spread), once the worker
     or the fleet has answered some; before that it has only the relay's cap. Never more
-    than the cap: the last attempt always has the cap, so a slow answer cut here is
-    still answered, by another worker.
+    than the cap; the last attempt always has the whole cap, so an answer slower than
+    its deadline is retried, not lost.
     """
 
     base_s: float
