@@ -5,10 +5,12 @@ also warms the fleet). The mock runs at speed 0.2, so its model times are five t
 longer in wall time and the fixed costs of the HTTP path (client, router, the engines'
 tokenization) weigh little against them. About 50 s of wall time and 15 s of CPU.
 
-Hit rate and TPOT do not depend on the machine, so they are always held to the
-tolerances. TTFT of the HTTP run includes every process's wait for a CPU: on an
-oversubscribed machine (load average above the core count) it measures the machine,
-and that part is skipped with the figures in the message.
+Hit rate does not depend on the machine, so it is always held to its tolerance. TTFT and
+TPOT of the HTTP run include every process's wait for a CPU: on an oversubscribed machine
+(load average above the core count) they measure the machine, and that part is skipped
+with the figures in the message. TPOT was thought machine-independent until 2026-12-01:
+at a load average of 11 on 2 cores the HTTP run's TPOT p50 was 55 ms against the
+simulation's 30.6 (kv_aware 48 against 30.7), while the hit rates agreed within 0.006.
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ def test_simulation_matches_a_real_clock_http_run_of_the_same_workload() -> None
     for s, h in pairs.values():
         assert h.errors == 0 and s.errors == 0, figures
         assert abs(s.hit_rate - h.hit_rate) <= HIT_TOLERANCE, figures
-        assert within(s.tpot_ms["p50"], h.tpot_ms["p50"], TIME_TOLERANCE), figures
     load = os.getloadavg()[0]
     cores = os.cpu_count() or 1
     if load > cores:
-        pytest.skip(f"load average {load:.1f} on {cores} cores, TTFT not compared: {figures}")
+        pytest.skip(
+            f"load average {load:.1f} on {cores} cores, TTFT and TPOT not compared: {figures}"
+        )
     for s, h in pairs.values():
+        assert within(s.tpot_ms["p50"], h.tpot_ms["p50"], TIME_TOLERANCE), figures
         for q in ("p50", "p90"):
             assert within(s.ttft_ms[q], h.ttft_ms[q], TIME_TOLERANCE), figures
