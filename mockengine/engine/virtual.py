@@ -141,6 +141,8 @@ class VirtualFleet:
         sinks = list(event_sinks) if event_sinks is not None else [None] * len(configs)
         self.engines = [_Engine(EngineCore(c, 0, s)) for c, s in zip(configs, sinks, strict=True)]
         # Direct access for routers over thousands of engines (len(core.running), probes, ...).
+        # Queues and the prefix cache are exact at any time; in a decode jump the running
+        # requests' token counts lag until it lands (``stats`` settles it first).
         self.cores = [e.core for e in self.engines]
         self.router = router
         self.on_finish = on_finish
