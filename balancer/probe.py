@@ -43,8 +43,10 @@ log = logging.getLogger("switchyard.balancer.probe")
 _MIN_WAKE_GAP_S = 0.05
 # Each interval is drawn from [1 - _JITTER, 1 + _JITTER] times its nominal length.
 _JITTER = 0.1
-# Probe, model and scrape requests in flight at once (aiohttp's default is 100; at
-# start a 2,000-worker fleet's tasks all probe at once and wait their turn here).
+# Probe, model and scrape requests in flight at once. At start a 2,000-worker fleet's
+# tasks all probe at once and wait their turn on a semaphore, outside the timeout: queued
+# in aiohttp's connector (limit 100) the wait counted against the 1 s probe timeout,
+# and every worker of a 2,000-engine fleet failed its probes (measured 2026-12-01).
 _MAX_CONNECTIONS = 64
 # Idle keep-alive connections to workers stay open this long, longer than a stretched
 # interval, so a probe of a large fleet reuses its connection instead of a new one.
@@ -62,6 +64,7 @@ class Prober:
         self._wake: dict[str, asyncio.Event] = {}
         self._probe_asked: set[str] = set()
         self._rng = random.Random()
+        self._slots = asyncio.Semaphore(_MAX_CONNECTIONS)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S)
@@ -168,7 +171,10 @@ class Prober:
 
     async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
         assert self._session is not None
-        async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with (
+            self._slots,
+            self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
+        ):
             return resp.status, await resp.read()
 
     def _registered(self, worker: Worker) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from loadtest.client import Result, replay
-from loadtest.fleet import MockFleet
+from loadtest.fleet import Engine, MockFleet
 from loadtest.procs import REPO, free_port_block, wait_http
 from loadtest.prom import samples, values
 from loadtest.workloads import build_workload
@@ -55,6 +55,7 @@ class Report:
     engines: int
     fleet_processes: int
     fleet_start_s: float
+    router_up_s: float
     router_ready_s: float
     requests: int
     errors: int
@@ -105,6 +106,29 @@ def quantile(before: dict[float, float], after: dict[float, float], q: float) ->
     return lower
 
 
+def start_fleet(fleet: MockFleet) -> None:
+    """``MockFleet.start`` without its health check of each engine in turn (3-6 minutes
+    for 2,000 on a loaded machine): mock-fleet prints its description only once every
+    process serves, and the router's readiness is checked worker by worker anyway."""
+    http, zmq = free_port_block(fleet.count), free_port_block(fleet.count)
+    args = [
+        sys.executable, "-m", "switchyard", "mock-fleet", "--count", str(fleet.count),
+        "--base-port", str(http), "--kv-events-base-port", str(zmq),
+        "--speed", str(fleet.speed), "--seed", str(fleet.seed),
+        "--processes", str(fleet.processes),
+        *(["--num-gpu-blocks", str(fleet.num_gpu_blocks)] if fleet.num_gpu_blocks else []),
+    ]  # fmt: skip
+    fleet.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert fleet.proc.stdout is not None
+    line = fleet.proc.stdout.readline()
+    if not line:
+        fleet.stop()
+        raise RuntimeError("mock fleet exited before printing its description")
+    for e in json.loads(line)["engines"]:
+        events = e.get("kv_events") or []
+        fleet.engines.append(Engine(e["urls"][0]["url"], events[0]["endpoint"] if events else None))
+
+
 def router_command(fleet: MockFleet, port: int, policy: str) -> list[str]:
     args = [sys.executable, "-m", "switchyard", "router", "--host", "127.0.0.1"]
     args += ["--port", str(port), "--policy", policy, "--log-level", "warning"]
@@ -133,7 +157,7 @@ def wait_fleet_known(url: str, engines: int, timeout_s: float) -> None:
                 raise TimeoutError(
                     f"router knows {known}/{engines} workers, {estimating:.0f} without events"
                 )
-            time.sleep(1.0)
+            time.sleep(3.0)  # each answer describes every worker: not too often
 
 
 def metrics_text(url: str) -> str:
@@ -151,7 +175,7 @@ def run(args: argparse.Namespace) -> Report:
         processes=processes,
     )
     t0 = time.monotonic()
-    fleet.start(timeout_s=args.start_timeout_s)
+    start_fleet(fleet)
     fleet_start_s = time.monotonic() - t0
     port = free_port_block(1)
     env = dict(os.environ, PYTHONUNBUFFERED="1", SWITCHYARD_ROUTER_ADMIN_API_KEY=ADMIN_KEY)
@@ -163,6 +187,7 @@ def run(args: argparse.Namespace) -> Report:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", args.start_timeout_s, router)
+        router_up_s = time.monotonic() - t0
         wait_fleet_known(url, args.engines, args.start_timeout_s)
         router_ready_s = time.monotonic() - t0
         time.sleep(args.settle_s)
@@ -170,6 +195,10 @@ def run(args: argparse.Namespace) -> Report:
         time.sleep(args.idle_s)
         cpu_idle = (cpu_seconds(router.pid) - cpu0) / (time.monotonic() - w0) * 100
         rss_idle = rss_mib(router.pid)
+        # A few requests first, so the router's cold paths (first tokenization, first
+        # connection to a worker) stay out of the measured schedule times.
+        warmup = build_workload("multiturn", args.seed + 1, rate=8.0, duration_s=1.0)
+        asyncio.run(replay(url, warmup, MODEL, args.request_timeout_s))
         before = metrics_text(url)
         workload = build_workload(
             "multiturn",
@@ -217,6 +246,7 @@ def run(args: argparse.Namespace) -> Report:
         engines=args.engines,
         fleet_processes=processes,
         fleet_start_s=round(fleet_start_s, 1),
+        router_up_s=round(router_up_s, 1),
         router_ready_s=round(router_ready_s, 1),
         requests=len(results),
         errors=len(results) - len(ok),

@@ -21,9 +21,14 @@ IDLE_VLLM = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
 class CountingStub(StubEngine):
     """A stub engine that also counts its ``/metrics`` scrapes."""
 
-    def __init__(self, metrics: str = IDLE_VLLM) -> None:
+    def __init__(self, metrics: str = IDLE_VLLM, health_delay_s: float = 0.0) -> None:
         super().__init__(("m",), metrics)
         self.scrapes = 0
+        self.health_delay_s = health_delay_s
+
+    async def _health(self, request: web.Request) -> web.Response:
+        await asyncio.sleep(self.health_delay_s)
+        return await super()._health(request)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.scrapes += 1
@@ -134,3 +139,26 @@ async def test_idle_worker_is_scraped_rarely_and_at_once_when_sent_a_request(
         await fleet.stop()
     assert idle_scrapes <= 2, "an idle worker's scrape stretches to 5 s, not every 0.05 s"
     assert took < 0.3
+
+
+async def test_probes_waiting_for_a_connection_slot_do_not_time_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three workers answering in 0.3 s, one probe at a time, a 0.5 s timeout: the third
+    probe waits 0.6 s for its turn, which must not count against its timeout."""
+    monkeypatch.setattr("balancer.probe._MAX_CONNECTIONS", 1)
+    stubs = [CountingStub(health_delay_s=0.3) for _ in range(3)]
+    for engine in stubs:
+        await engine.start()
+    settings = BalancerSettings(probe_interval_s=5.0, probe_timeout_s=0.5, scrape_interval_s=5.0)
+    fleet = Fleet(settings, [WorkerSpec(engine.url) for engine in stubs])
+    await fleet.start()
+    try:
+        await eventually(lambda: all(engine.probes >= 1 for engine in stubs), timeout=5.0)
+        await asyncio.sleep(0.1)
+        unhealthy = [w.url for w in fleet.workers() if not w.healthy]
+    finally:
+        await fleet.stop()
+        for engine in stubs:
+            await engine.stop()
+    assert unhealthy == []
