@@ -134,7 +134,9 @@ def play(url: str, endpoint: str, bodies: list[dict[str, Any]], trace: Trace) ->
             log.quiet()
             trace.sources = c.get("/kv_event_sources").json()
             for family in text_string_to_metric_families(c.get("/metrics").text):
-                if family.name.startswith("vllm:"):
+                # ``_created``: prometheus_client's creation stamps of vLLM's counters and
+                # histograms, not metrics of their own.
+                if family.name.startswith("vllm:") and not family.name.endswith("_created"):
                     trace.metrics[family.name] = family.type
     finally:
         log.close()

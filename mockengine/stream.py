@@ -106,7 +106,7 @@ class Run:
         drop_at = faults.drop_at() if p.stream and faults.drop_after_tokens else 0
         generated = 0
         cached = 0
-        last = self.start
+        last = first_at = self.start
         out: TokenOutput | None = None
         reason = "length"
         try:
@@ -118,6 +118,7 @@ class Run:
                     continue
                 now = time.perf_counter()
                 if generated == 0 and delta > 0:
+                    first_at = now
                     rm.ttft.observe(now - self.start)
                 elif delta > 0:
                     rm.itl.observe((now - last) / delta, delta)
@@ -137,10 +138,21 @@ class Run:
                     app.metrics.fault("drop")
                     raise DropConnection(f"injected drop after {generated} tokens")
         finally:
+            # A client that left is not a finished request: vLLM 0.32 leaves it out of
+            # request_success_total (tests/real/test_real_engine_state.py).
             if out is None or not out.finished:
                 await agen.aclose()
-                rm.finished["abort"] += 1
-        rm.e2e.observe(time.perf_counter() - self.start)
+        e2e_s = time.perf_counter() - self.start
+        rm.e2e.observe(e2e_s)
+        app.metrics.finished_request(
+            plan.rank,
+            prompt_tokens=n_prompt,
+            cached_tokens=cached,
+            generated=generated,
+            max_tokens=plan.request.max_tokens,
+            ttft_s=first_at - self.start,
+            e2e_s=e2e_s,
+        )
         rm.finished[reason if reason in rm.finished else "error"] += 1
         kvp = app.planner.hold_prefill(plan, out, n_prompt)
         use = shapes.usage(n_prompt, generated, cached)

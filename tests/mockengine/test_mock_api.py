@@ -279,7 +279,10 @@ def test_repeated_prompt_hits_the_prefix_cache_and_starts_sooner(realtime_engine
     assert warm < cold
 
 
-def test_aborted_stream_frees_its_slot(realtime_engine: Server) -> None:
+def test_aborted_stream_frees_its_slot_and_is_not_counted_as_finished(
+    realtime_engine: Server,
+) -> None:
+    before = metric(httpx.get(realtime_engine.url + "/metrics").text, "vllm:request_success_total")
     with httpx.stream(
         "POST",
         realtime_engine.url + "/v1/completions",
@@ -299,7 +302,7 @@ def test_aborted_stream_frees_its_slot(realtime_engine: Server) -> None:
             break
         time.sleep(0.02)
     assert metric(text, "vllm:num_requests_running") == 0
-    assert metric(text, "vllm:request_success_total", finished_reason="abort") >= 1
+    assert metric(text, "vllm:request_success_total") == before  # as vLLM 0.32
 
 
 def test_sglang_flavour_serves_its_own_control_endpoints() -> None:
