@@ -110,7 +110,8 @@ def start_fleet(fleet: MockFleet) -> None:
     """``MockFleet.start`` without its health check of each engine in turn (3-6 minutes
     for 2,000 on a loaded machine): mock-fleet prints its description only once every
     process serves, and the router's readiness is checked worker by worker anyway."""
-    http, zmq = free_port_block(fleet.count), free_port_block(fleet.count)
+    http = free_port_block(2 * fleet.count)  # one block: two could overlap
+    zmq = http + fleet.count
     args = [
         sys.executable, "-m", "switchyard", "mock-fleet", "--count", str(fleet.count),
         "--base-port", str(http), "--kv-events-base-port", str(zmq),
