@@ -1,10 +1,11 @@
-"""``switchyard bench compare`` and ``switchyard demo``."""
+"""``switchyard bench compare``, ``switchyard bench run`` and ``switchyard demo``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Any
 
+import httpx
 import typer
 
 Opt = typer.Option
@@ -35,7 +36,9 @@ def default_policies() -> str:
 
 def register(app: typer.Typer) -> None:
     bench = typer.Typer(
-        help="Load tests against mock fleets.", no_args_is_help=True, rich_markup_mode=None
+        help="Load tests against mock fleets, running fleets or any OpenAI endpoint.",
+        no_args_is_help=True,
+        rich_markup_mode=None,
     )
     app.add_typer(bench, name="bench")
 
@@ -76,8 +79,19 @@ def register(app: typer.Typer) -> None:
             "bench-results"
         ),
         progress: Annotated[bool, Opt(help="Show progress bars.")] = True,
+        worker: Annotated[
+            list[str] | None,
+            Opt(
+                help="A running engine (vLLM, SGLang or mock) to compare on instead of a mock "
+                "fleet, repeatable; the routers find its KV events themselves."
+            ),
+        ] = None,
+        model: Annotated[
+            str | None, Opt(help="Model to ask for (default: the first worker's /v1/models).")
+        ] = None,
     ) -> None:
-        """Replay one seeded workload through each router config on the same mock fleet."""
+        """Replay one seeded workload through each router config on the same fleet (mock, or
+        the running engines given by --worker)."""
         from loadtest.compare import CompareConfig, compare
         from loadtest.report import wide_console, write_reports
 
@@ -100,11 +114,60 @@ def register(app: typer.Typer) -> None:
             mock_config=mock_config,
             out=out,
             progress=progress,
+            workers=list(worker or []),
+            model=model,
         )
         console = wide_console()
         try:
             outcome = compare(cfg, console)
         except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from exc
+        for path in write_reports(outcome, console):
+            console.print(f"wrote {path}")
+
+    @bench.command("run")
+    def run_command(
+        target: Annotated[str, Opt(help="Base URL of any OpenAI endpoint (without /v1).")],
+        workload: Annotated[
+            str, Opt(help="multiturn, shared_prefix, random or mooncake.")
+        ] = "multiturn",
+        param: Annotated[
+            list[str] | None,
+            Opt(help="Workload parameter KEY=VALUE, repeatable (mooncake: trace=FILE)."),
+        ] = None,
+        model: Annotated[
+            str | None, Opt(help="Model to ask for (default: the target's /v1/models).")
+        ] = None,
+        seed: Annotated[int, Opt(help="Workload seed.")] = 0,
+        repeats: Annotated[int, Opt(help="Runs (nothing is reset between them).")] = 1,
+        slo_ttft_ms: Annotated[float, Opt(help="Goodput TTFT objective, wall ms.")] = 500.0,
+        slo_tpot_ms: Annotated[float, Opt(help="Goodput TPOT objective, wall ms.")] = 50.0,
+        out: Annotated[Path, Opt(help="Directory for compare.json and the PNG plots.")] = Path(
+            "bench-results"
+        ),
+    ) -> None:
+        """Replay one seeded workload against any OpenAI endpoint; prints the compare table."""
+        from loadtest.compare import CompareConfig, run_target
+        from loadtest.report import wide_console, write_reports
+
+        cfg = CompareConfig(
+            engines=0,
+            workload=workload,
+            policies=["target"],
+            workload_params=parse_params(param),
+            num_gpu_blocks=None,
+            seed=seed,
+            repeats=repeats,
+            slo_ttft_ms=slo_ttft_ms,
+            slo_tpot_ms=slo_tpot_ms,
+            out=out,
+            progress=False,
+            model=model,
+        )
+        console = wide_console()
+        try:
+            outcome = run_target(cfg, target, console)
+        except (ValueError, httpx.HTTPError) as exc:
             raise typer.BadParameter(str(exc)) from exc
         for path in write_reports(outcome, console):
             console.print(f"wrote {path}")

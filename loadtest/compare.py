@@ -16,16 +16,17 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from loadtest.ceiling import Ceiling, ceiling
 from loadtest.client import Result, replay
-from loadtest.fleet import HITS, QUERIES, SERVED, MockFleet
+from loadtest.fleet import HITS, QUERIES, SERVED, Engine, MockFleet, RunningFleet
 from loadtest.metrics import SLO, Summary, summarize
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
@@ -51,6 +52,10 @@ class CompareConfig:
     fleet_processes: int = 1
     # YAML with a 'mock' section for every engine (timing model, max_num_seqs, …).
     mock_config: Path | None = None
+    # Running engines to compare on instead of a mock fleet (URLs), and the model to ask
+    # for (None: the mock's, or the first worker's /v1/models).
+    workers: list[str] = field(default_factory=list)
+    model: str | None = None
     request_timeout_s: float = 120.0
     settle_s: float = 0.5
     out: Path = Path("bench-results")
@@ -83,6 +88,24 @@ class Outcome:
         return list(dict.fromkeys(r.policy for r in self.runs))
 
 
+class Fleet(Protocol):
+    @property
+    def engines(self) -> list[Engine]: ...
+
+    def counters(self) -> list[dict[str, float]]: ...
+
+    def reset(self, timeout_s: float = ...) -> None: ...
+
+
+def served_model(url: str) -> str:
+    """The first model an OpenAI endpoint lists."""
+    listing = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()
+    models = listing.get("data") or []
+    if not models:
+        raise ValueError(f"{url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
 def fleet_for(cfg: CompareConfig) -> MockFleet:
     extra = ["--config", str(cfg.mock_config)] if cfg.mock_config else []
     return MockFleet(
@@ -101,10 +124,11 @@ def run_order(items: list[T], repeat: int) -> list[T]:
 
 
 def _one_run(
-    fleet: MockFleet,
+    fleet: Fleet,
     spec: RouterSpec,
     workload: Workload,
     cfg: CompareConfig,
+    model: str,
     on_done: Callable[[Result], None] | None,
 ) -> tuple[list[Result], list[dict[str, float]]]:
     """Results, and per engine how much each of its counters grew during the run."""
@@ -113,7 +137,7 @@ def _one_run(
     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
         time.sleep(cfg.settle_s)
         results = asyncio.run(
-            replay(router.url, workload, MODEL, cfg.request_timeout_s, on_done=on_done)
+            replay(router.url, workload, model, cfg.request_timeout_s, on_done=on_done)
         )
     after = fleet.counters()
     return results, [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
@@ -122,22 +146,33 @@ def _one_run(
 def compare(
     cfg: CompareConfig, console: Console | None = None, fleet: MockFleet | None = None
 ) -> Outcome:
-    """Run the comparison; on ``fleet`` if given (left running), else on a fleet of its own."""
+    """Run the comparison: on ``fleet`` if given (left running), on ``cfg.workers`` (a
+    running fleet, left running), else on a mock fleet of its own."""
     console = console or Console()
     started = time.monotonic()
     workload = build_workload(cfg.workload, cfg.seed, **cfg.workload_params)
-    ceil = ceiling(workload, cfg.engines, cfg.num_gpu_blocks)
+    running = [Engine(url.rstrip("/"), None) for url in cfg.workers]
+    if running:
+        cfg = replace(cfg, engines=len(running))
+    engines = cfg.engines
+    ceil = ceiling(workload, engines, None if running else cfg.num_gpu_blocks)
     outcome = Outcome(cfg, workload, ceil)
     slo = SLO(cfg.slo_ttft_ms / 1000.0, cfg.slo_tpot_ms / 1000.0)
+    where = (
+        f"{engines} running engines"
+        if running
+        else f"{engines} mock engines, {cfg.num_gpu_blocks or 'default'} KV blocks each, "
+        f"speed ×{cfg.speed:g}"
+    )
     console.print(
         f"[bold]{workload.name}[/]: {len(workload.requests)} requests over "
-        f"{workload.duration_s:.1f}s, seed {cfg.seed}; {cfg.engines} mock engines, "
-        f"{cfg.num_gpu_blocks or 'default'} KV blocks each, speed ×{cfg.speed:g}"
+        f"{workload.duration_s:.1f}s, seed {cfg.seed}; {where}"
     )
-    own = fleet is None
-    fleet = fleet or fleet_for(cfg)
-    if own:
-        fleet.start()
+    model = cfg.model or (served_model(running[0].url) if running else MODEL)
+    own = fleet is None and not running
+    chosen: Fleet = fleet or (RunningFleet(running) if running else fleet_for(cfg))
+    if isinstance(chosen, MockFleet) and own:
+        chosen.start()
     # Each slot holds its alternatives until one of them has started once.
     slots = [[RouterSpec.parse(a) for a in p.split("|")] for p in cfg.policies]
     progress = Progress(
@@ -154,22 +189,26 @@ def compare(
                 for slot in run_order(slots, repeat):
                     while slot:
                         spec = slot[0]
-                        if _attempt(fleet, spec, workload, cfg, slo, repeat, progress, outcome):
+                        ok = _attempt(
+                            chosen, spec, workload, cfg, model, slo, repeat, progress, outcome
+                        )
+                        if ok:
                             del slot[1:]
                             break
                         slot.pop(0)
     finally:
-        if own:
-            fleet.stop()
+        if isinstance(chosen, MockFleet) and own:
+            chosen.stop()
     outcome.wall_s = time.monotonic() - started
     return outcome
 
 
 def _attempt(
-    fleet: MockFleet,
+    fleet: Fleet,
     spec: RouterSpec,
     workload: Workload,
     cfg: CompareConfig,
+    model: str,
     slo: SLO,
     repeat: int,
     progress: Progress,
@@ -179,7 +218,9 @@ def _attempt(
     label = f"{spec.label:>18} run {repeat + 1}/{cfg.repeats}"
     task = progress.add_task(label, total=len(workload.requests))
     try:
-        results, deltas = _one_run(fleet, spec, workload, cfg, lambda _: progress.advance(task))
+        results, deltas = _one_run(
+            fleet, spec, workload, cfg, model, lambda _: progress.advance(task)
+        )
     except Unavailable as exc:
         outcome.unavailable[spec.label] = str(exc)
         progress.update(task, description=f"{spec.label:>18} not available")
@@ -196,3 +237,28 @@ def _attempt(
 def median_and_worst(values: list[float], higher_is_better: bool) -> tuple[float, float]:
     worst = min(values) if higher_is_better else max(values)
     return statistics.median(values), worst
+
+
+def run_target(cfg: CompareConfig, target: str, console: Console | None = None) -> Outcome:
+    """Replay the workload ``cfg.repeats`` times against any OpenAI endpoint (a router, an
+    engine, a hosted API), with no router of ours in front: reported as config "target".
+    Nothing is reset between runs (an arbitrary endpoint has no reset), the hit rate is
+    the engines' own ``cached_tokens`` seen by the client, and the engines behind it are
+    unknown (``engines`` 0, no load spread)."""
+    cfg = replace(cfg, engines=0)
+    console = console or Console()
+    started = time.monotonic()
+    workload = build_workload(cfg.workload, cfg.seed, **cfg.workload_params)
+    outcome = Outcome(cfg, workload, ceiling(workload, 1, None))
+    slo = SLO(cfg.slo_ttft_ms / 1000.0, cfg.slo_tpot_ms / 1000.0)
+    model = cfg.model or served_model(target)
+    console.print(
+        f"[bold]{workload.name}[/]: {len(workload.requests)} requests over "
+        f"{workload.duration_s:.1f}s, seed {cfg.seed}; target {target}, model {model}"
+    )
+    for repeat in range(cfg.repeats):
+        results = asyncio.run(replay(target.rstrip("/"), workload, model, cfg.request_timeout_s))
+        ttfts = [r.ttft_s * 1000.0 for r in results if r.ok and r.ttft_s is not None]
+        outcome.runs.append(Run("target", repeat, summarize(results, slo), ttfts))
+    outcome.wall_s = time.monotonic() - started
+    return outcome

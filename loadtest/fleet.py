@@ -34,6 +34,24 @@ class Engine:
 
 
 @dataclass
+class RunningFleet:
+    """Engines that already run (a real fleet, named by URL): reset and counted as the mock
+    fleet is. No KV-event endpoints: the routers find them (``GET /kv_event_sources``)."""
+
+    engines: list[Engine]
+
+    def counters(self) -> list[dict[str, float]]:
+        """Per engine: requests finished, prefix-cache hit and queried tokens so far."""
+        with httpx.Client(timeout=10.0) as c:
+            scraped = [totals(c.get(e.url + "/metrics").text) for e in self.engines]
+        return [{name: m.get(name, 0.0) for name in COUNTERS} for m in scraped]
+
+    def reset(self, timeout_s: float = 120.0) -> None:
+        """Wait until every engine is idle, then empty every prefix cache."""
+        reset_prefix_caches([e.url for e in self.engines], timeout_s, poll_s=0.2)
+
+
+@dataclass
 class MockFleet:
     """``switchyard mock-fleet`` as a child process, with what it printed about itself."""
 
