@@ -119,7 +119,9 @@ async def test_mock_engine_with_dp_ranks_is_scraped_per_rank() -> None:
         assert worker.flavor == "vllm"
         assert sorted(worker.engine_ranks) == [0, 1]
         assert [r.engine_running for r in worker.rank_loads()] == [0, 0]
-        assert all(0 <= (s.kv_tokens or -1) < 100 for s in worker.engine_ranks.values())
+        assert all(
+            s.kv_tokens is not None and 0 <= s.kv_tokens < 100 for s in worker.engine_ranks.values()
+        )
     finally:
         await fleet.stop()
         await asyncio.to_thread(mock.stop)
