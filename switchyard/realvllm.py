@@ -180,7 +180,8 @@ def _command(model: Path, port: int, events: int, replay: int, opts: EngineOptio
 def launch_engine(model: Path, core: str, opts: EngineOptions, log_dir: Path) -> VllmEngine:
     """Start one engine on CPU core(s) ``core`` (e.g. "0" or "0|1" for two DP ranks)."""
     port = free_port_block(1)
-    events = free_port_block(2 * opts.data_parallel_size)
+    # One block: PUB ports, replay ports, then (with NIXL) the handshake port.
+    events = free_port_block(2 * opts.data_parallel_size + int(opts.nixl))
     replay = events + opts.data_parallel_size
     env = dict(
         os.environ,
@@ -194,7 +195,7 @@ def launch_engine(model: Path, core: str, opts: EngineOptions, log_dir: Path) ->
         PYTHONUNBUFFERED="1",
     )
     if opts.nixl:  # the NIXL handshake listens here; engines on one host need distinct ports
-        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port_block(1))
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(replay + opts.data_parallel_size)
     log_path = log_dir / f"vllm-{port}.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(

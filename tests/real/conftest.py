@@ -2,12 +2,11 @@
 
 Two single-rank engines serve the tiny random-weight Llama (block size 32) for the whole
 run; a third engine runs two data-parallel ranks, and the failure test at the end of
-``test_real_dp_engine.py`` kills it. The two single-rank engines also load vLLM's
-NixlConnector (role kv_both, KV buffer in host memory), so ``test_real_pd.py`` runs them
-as a prefill and a decode engine with no engines of its own; a request without
-``kv_transfer_params`` is served as before. They start together: a start costs a minute or more
-of CPU on this two-core machine and overlaps with the others' waiting. Without vLLM
-installed every test here is skipped, with the reason.
+``test_real_dp_engine.py`` kills it. ``test_real_pd.py`` starts two more, with vLLM's
+NixlConnector, when it first runs (after the DP engine is gone): the shared pair stays
+without a KV connector, so the other tests measure plain engines. The first three start
+together: a start costs a minute or more of CPU on this two-core machine and overlaps with
+the others' waiting. Without vLLM installed every test here is skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
     """Engines on cores 0 and 1, and a two-rank engine on both cores."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    single = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, nixl=True)
+    single = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL)
     dp = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, data_parallel_size=2)
     engines: list[VllmEngine] = []
     try:
@@ -73,6 +72,25 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def pair(fleet: list[VllmEngine]) -> list[VllmEngine]:
     """The two single-rank engines every test may use (and none may kill)."""
     return fleet[:2]
+
+
+@pytest.fixture(scope="session")
+def pd_pair(
+    tiny_model: Path, fleet: list[VllmEngine], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[VllmEngine]]:
+    """A prefill and a decode engine (NixlConnector, role kv_both, KV buffer in host
+    memory) on cores 0 and 1."""
+    logs = tmp_path_factory.mktemp("vllm-pd-logs")
+    opts = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, nixl=True)
+    engines: list[VllmEngine] = []
+    try:
+        for core in ("0", "1"):
+            engines.append(launch_engine(tiny_model, core, opts, logs))
+        wait_healthy(engines, timeout_s=800)
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,16 @@
 """Disaggregated prefill/decode on real vLLM: the router's vLLM P/D flow over NixlConnector.
 
-The session's two single-rank engines serve as the prefill (``pair[0]``) and the decode
-engine (``pair[1]``). vLLM counts each prompt token by where its KV came from
-(``vllm:prompt_tokens_by_source_total``): the prefill engine computes the prompt, the
-decode engine receives it over NIXL (``external_kv_transfer``) and computes none of it.
+Two engines with NixlConnector (the ``pd_pair`` fixture) serve as the prefill
+(``pd_pair[0]``) and the decode engine (``pd_pair[1]``). vLLM counts each prompt token by
+where its KV came from (``vllm:prompt_tokens_by_source_total``): the prefill engine
+computes the prompt, the decode engine receives it over NIXL (``external_kv_transfer``)
+and computes none of it.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
@@ -40,23 +40,24 @@ def unique_chat() -> list[dict[str, str]]:
 
 
 @pytest.fixture
-def pd_router(pair: list[VllmEngine], tmp_path: Path) -> Iterator[Server]:
-    reset_caches(pair)
-    prefill, decode = pair
+def pd_router(pd_pair: list[VllmEngine]) -> Iterator[Server]:
+    reset_caches(pd_pair)
+    prefill, decode = pd_pair
     port = free_port()
     argv = ["router", "--port", str(port), "--pd-protocol", "vllm"]
     argv += ["--prefill", prefill.url, "--decode", decode.url, "--no-pd-fallback"]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", "--no-kv-parity"]
-    server = Server(argv, port, "/ready").start(timeout=60)
+    # A cold router start took over a minute on a loaded two-core machine (2026-12-01).
+    server = Server(argv, port, "/ready").start(timeout=180)
     yield server
     server.stop()
 
 
 def test_decode_engine_answers_with_kv_moved_from_the_prefill_engine(
-    pd_router: Server, pair: list[VllmEngine]
+    pd_router: Server, pd_pair: list[VllmEngine]
 ) -> None:
-    prefill, decode = pair
-    before = [prompt_sources(e) for e in pair]
+    prefill, decode = pd_pair
+    before = [prompt_sources(e) for e in pd_pair]
     body = {"model": MODEL, "messages": unique_chat(), "max_tokens": 8, "ignore_eos": True}
     resp = httpx.post(pd_router.url + "/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
@@ -73,9 +74,9 @@ def test_decode_engine_answers_with_kv_moved_from_the_prefill_engine(
 
 
 def test_a_streamed_pd_answer_completes_through_the_openai_sdk(
-    pd_router: Server, pair: list[VllmEngine]
+    pd_router: Server, pd_pair: list[VllmEngine]
 ) -> None:
-    decode = pair[1]
+    decode = pd_pair[1]
     before = prompt_sources(decode)
     client = openai.OpenAI(base_url=pd_router.url + "/v1", api_key="unused", timeout=300)
     stream = client.chat.completions.create(
