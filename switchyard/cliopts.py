@@ -111,12 +111,17 @@ def load_settings(model: type[S], config: Path | None, flags: dict[str, Any]) ->
 
 
 def validation_message(exc: ValidationError) -> str:
-    """The first problem of a settings validation error, as one line naming the setting."""
+    """The first problem of a settings validation error, as one line naming the setting.
+
+    The rejected value is echoed, except for keys: a bad key list must not land on stderr.
+    """
     errors = exc.errors()
     first = errors[0]
     where = ".".join(str(part) for part in first["loc"]) or exc.title
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    given = f" (got {first['input']!r})" if "input" in first and first["type"] != "missing" else ""
+    secret = str(first["loc"][-1]).endswith("key") if first["loc"] else False
+    shown = "input" in first and first["type"] != "missing" and not secret
+    given = f" (got {first['input']!r})" if shown else ""
     return f"invalid setting {where}: {first['msg']}{given}{more}"
 
 

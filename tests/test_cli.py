@@ -121,6 +121,14 @@ def test_bad_flag_value_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--port" in bad(capsys, "mock", "--port", "abc")
 
 
+def test_a_bad_key_list_is_refused_without_echoing_its_keys(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = bad(capsys, "router", *WORKER, "--api-key", "good-key,:sekrit")
+    assert "api_key" in err
+    assert "sekrit" not in err and "good-key" not in err
+
+
 def test_bad_kv_events_spec_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--kv-events" in bad(capsys, "router", *WORKER, "--kv-events", "nonsense")
 
