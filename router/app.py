@@ -32,6 +32,7 @@ from router.relay import Relay, send_complete
 from router.request import DATA_ROUTES, RoutedRequest, parse
 from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
+from router.tenants import TenantRequests
 from switchyard.auth import data_access
 
 log = logging.getLogger("switchyard.router")
@@ -134,6 +135,7 @@ class RouterApp:
             kv=self.kv,
         )
         self.api_key = data_access(settings.api_key)
+        self.tenants = TenantRequests(self.metrics.registry)
         self.worker_authorization = (
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
         )
@@ -196,9 +198,6 @@ class RouterApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def authorized(self, header: bytes | None) -> bool:
-        return self.api_key.allows(header)
-
     async def _handle(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         request_id: bytes | None = None
@@ -236,6 +235,7 @@ class RouterApp:
         status, worker_id = 500, "none"
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
+        tenant: str | None = None
         try:
             if header_bytes > self.settings.max_header_bytes:
                 raise RouterError(
@@ -243,7 +243,8 @@ class RouterApp:
                     f"Request headers exceed {self.settings.max_header_bytes} bytes",
                     code="headers_too_large",
                 )
-            if not self.authorized(auth):
+            tenant = self.api_key.tenant(auth)
+            if tenant is None:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session, self.settings.client_kv_transfer)
@@ -287,6 +288,7 @@ class RouterApp:
                 watcher.cancel()
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
+        self.tenants.count(tenant, status)
         m.child(m.latency, route).observe(time.perf_counter() - started)
 
     async def schedule(

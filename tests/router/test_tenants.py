@@ -3,6 +3,9 @@ and the router counts answered requests per tenant and outcome."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -10,6 +13,8 @@ from pydantic import ValidationError
 from router.settings import RouterSettings
 from router.tenants import TenantRequests, outcome_of
 from switchyard.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
+from tests.router.stub_backend import StubBackend
+from tests.support import Server, free_port
 
 
 def test_an_entry_with_a_colon_binds_its_key_to_the_tenant_before_it() -> None:
@@ -94,3 +99,35 @@ def test_answered_requests_are_counted_per_tenant_and_outcome() -> None:
     assert value("team-b", "server_error") == 1.0
     assert value("unknown", "unauthorized") == 1.0
     assert value("team-b", "ok") is None
+
+
+@pytest.fixture
+def tenant_router() -> Iterator[str]:
+    """A router process with two tenants' keys in front of a stub engine."""
+    engine = StubBackend().start()
+    port = free_port()
+    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--metrics-auth", "none"]
+    argv = ["router", "--port", str(port), "--worker", engine.url, *keys]
+    server = Server(argv, port, health_path="/ready")  # ready: the engine's model is known
+    try:
+        yield server.start().url
+    finally:
+        server.stop()
+        engine.stop()
+
+
+def test_the_router_counts_each_request_under_its_keys_tenant(tenant_router: str) -> None:
+    body = {"model": "stub-model", "prompt": "hi"}
+    statuses = []
+    for key in ("key-a", "key-a", "key-b", "wrong"):
+        headers = {"authorization": f"Bearer {key}"}
+        url = tenant_router + "/v1/completions"
+        statuses.append(httpx.post(url, json=body, headers=headers, timeout=30).status_code)
+    assert statuses == [200, 200, 200, 401]
+    text = httpx.get(tenant_router + "/metrics", timeout=30).text
+    assert 'switchyard_router_tenant_requests_total{outcome="ok",tenant="team-a"} 2.0' in text
+    assert 'switchyard_router_tenant_requests_total{outcome="ok",tenant="team-b"} 1.0' in text
+    assert (
+        'switchyard_router_tenant_requests_total{outcome="unauthorized",tenant="unknown"} 1.0'
+        in text
+    )
