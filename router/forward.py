@@ -43,6 +43,19 @@ def queued_prefill(ctx: Context, worker: Worker) -> int | None:
     return ctx.uncached(worker.id) if ctx.prefix is not None else None
 
 
+def next_worker(ranked: list[Worker], attempt: int, timed_out: list[Worker]) -> Worker:
+    """The worker of attempt ``attempt``: the policy's order in turn, skipping workers whose
+    first byte was already late for this request. When every worker was late, the one late
+    most recently: an engine that hangs is tried first and late first, and the last attempt
+    (which waits the full cap) must not go back to it (2026-12-01: with two workers, one hung
+    by SIGSTOP, 1 of 48 requests went hung -> loaded -> hung and waited out the cap)."""
+    rotated = ranked[attempt % len(ranked) :] + ranked[: attempt % len(ranked)]
+    for worker in rotated:
+        if all(w is not worker for w in timed_out):
+            return worker
+    return timed_out[-1]
+
+
 class _Retry(Exception):
     """An attempt failed before any byte reached the client; ``error`` is what the client
     gets if no later attempt answers (None: keep the previous one)."""
@@ -151,10 +164,11 @@ class Forwarder:
         """Relay the answer of the first worker that gives one; returns (status, worker id)."""
         error: RouterError | None = None
         attempts = self.max_attempts
+        timed_out: list[Worker] = []  # in the order their first byte was late
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
-            worker = ranked[attempt % len(ranked)]
+            worker = next_worker(ranked, attempt, timed_out)
             last = attempt + 1 == attempts
             try:
                 return await self._attempt(
@@ -163,6 +177,8 @@ class Forwarder:
             except _Retry as retry:
                 self.metrics.retries.labels(retry.reason).inc()
                 error = retry.error or error
+                if retry.reason.endswith(str(Outcome.TIMEOUT)):
+                    timed_out = [w for w in timed_out if w is not worker] + [worker]
         self.metrics.retries.labels("exhausted").inc()
         assert error is not None
         raise error
