@@ -45,7 +45,7 @@ def pd_router(pd_pair: list[VllmEngine]) -> Iterator[Server]:
     prefill, decode = pd_pair
     port = free_port()
     argv = ["router", "--port", str(port), "--pd-protocol", "vllm"]
-    argv += ["--prefill", prefill.url, "--decode", decode.url, "--no-pd-fallback"]
+    argv += ["--prefill", prefill.url, "--decode", decode.url]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", "--no-kv-parity"]
     # A cold router start took over a minute on a loaded two-core machine (2026-12-01).
     server = Server(argv, port, "/ready").start(timeout=180)
