@@ -92,6 +92,9 @@ class PrefixSource(Protocol):
     ) -> ParityMonitor | None:
         """The hash-parity self-check, where this source sees the engines' events."""
 
+    def expose(self, registry: CollectorRegistry) -> None:
+        """Serve the source's own metrics (event lag, gaps, lookups) on ``registry``."""
+
 
 class EmbeddedPrefixes:
     """The KV store in the router's own process: follows the fleet, probes prompt heads."""
@@ -192,6 +195,9 @@ class EmbeddedPrefixes:
             return None
         return ParityMonitor(self.store, fleet, registry, interval_s=interval_s)
 
+    def expose(self, registry: CollectorRegistry) -> None:
+        registry.register(self.store.metrics.registry)
+
 
 def _full(head_tokens: int, result: LookupResult, instance: str) -> int:
     """Tokens in the full blocks of a head, in the block size of ``instance``."""
@@ -252,6 +258,9 @@ class RemotePrefixes:
     ) -> ParityMonitor | None:
         return None
 
+    def expose(self, registry: CollectorRegistry) -> None:
+        """Nothing: the kvstore service serves its metrics on its own ``/metrics``."""
+
 
 def prefix_source(
     store: KVStore | RemoteKVStore, clock: Callable[[], float] = time.monotonic
@@ -279,6 +288,7 @@ class KVAwareness:
         self.event_lag_ttl_s = event_lag_ttl_s
         self._pending: set[asyncio.Task[None]] = set()
         self.source.follow(fleet)
+        self.source.expose(metrics.registry)
         self.parity = (
             self.source.parity_monitor(fleet, metrics.registry, parity_interval_s)
             if parity_interval_s is not None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client import CollectorRegistry
+
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
 from router.kv import EmbeddedPrefixes
@@ -50,3 +52,12 @@ def test_a_match_reaching_past_the_first_head_grows_the_probe() -> None:
 def test_a_prompt_matched_to_its_end_is_tokenized_whole() -> None:
     stopped, _, _ = probe_after_placing(WORDS[:3000], None, "a")
     assert not stopped
+
+
+def test_the_embedded_stores_metrics_are_served_with_the_routers() -> None:
+    registry = CollectorRegistry()
+    store = KVStore(block_size=16, tokenizer=RoutingTokenizer.approximate())
+    store.metrics.lag.labels("http://engine:8000").set(0.25)
+    EmbeddedPrefixes(store).expose(registry)
+    lag = {"instance": "http://engine:8000"}
+    assert registry.get_sample_value("switchyard_kvstore_event_lag_seconds", lag) == 0.25
