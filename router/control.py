@@ -15,6 +15,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from balancer.admin import admin_router
+from balancer.worker import Role
 from router.errors import RouterError
 from router.settings import RouterSettings
 from switchyard.auth import RequireKey, admin_access, data_access, startup_line
@@ -145,9 +146,13 @@ def build_control_app(router: RouterApp) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready", summary="At least one worker is routable")
+    @app.get("/ready", summary="At least one worker, or a prefill/decode pair, is routable")
     async def ready() -> JSONResponse:
-        routable = len(router.fleet.candidates(None))
+        fleet = router.fleet
+        prefill, decode = fleet.candidates(None, Role.PREFILL), fleet.candidates(None, Role.DECODE)
+        routable = len(fleet.candidates(None))
+        if prefill and decode:  # a P/D router serves through the pair (2026-12-01: it never
+            routable += len(prefill) + len(decode)  # answered ready with P/D workers only)
         if router.draining:
             return JSONResponse(
                 status_code=503,

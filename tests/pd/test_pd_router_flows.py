@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -71,6 +72,15 @@ def settle(url: str, name: str, value: float) -> float:
         time.sleep(0.02)
         seen = metric(url, name)
     return seen
+
+
+def test_a_router_with_only_a_prefill_and_a_decode_worker_is_ready(vllm_stack) -> None:
+    front = vllm_stack[0]
+    deadline = time.monotonic() + 30
+    while (resp := httpx.get(front.url + "/ready", timeout=5)).status_code != 200:
+        assert time.monotonic() < deadline, resp.text
+        time.sleep(0.2)
+    assert resp.json() == {"status": "ready", "routable_workers": 2}
 
 
 def test_vllm_completion_is_prefilled_remotely_and_the_prefill_frees_its_blocks(
