@@ -113,13 +113,13 @@ class KVAwareScorer:
         total = ctx.prompt_tokens
         out = []
         for w, mi, tn in zip(workers, m, tenths, strict=True):
-            load = w.load()
+            prefill, decode = w.queued_tokens()
             uncached = total - mi
             if not uncached > 0.0:
                 uncached = 0.0
             out.append(
-                pw * ((uncached + load.prefill_tokens) / bs)
-                + dw * ((load.decode_tokens + load.decode_seqs) / bs)
+                pw * ((uncached + prefill) / bs)
+                + dw * (decode / bs)
                 + ow * tn
                 + rw * (best_match - mi) / bs
             )

@@ -31,6 +31,9 @@ class FakeWorker:
     def load(self) -> FakeLoad:
         return self.state
 
+    def queued_tokens(self) -> tuple[int, int]:
+        return self.state.prefill_tokens, self.state.decode_tokens + self.state.decode_seqs
+
 
 def ctx_with(total: int, matched: dict[str, int]) -> Context:
     ctx = Context(model="m")
