@@ -9,11 +9,10 @@ event subscriptions) and then replays a multi-turn chat load through it. It prin
 - requests and errors (the target is 0 errors), the prefix-cache hit rate;
 - schedule time p50/p99 from the router's ``switchyard_router_schedule_seconds``
   histogram (interpolated within its buckets, as Prometheus' histogram_quantile does);
-- KV-event ingestion: the router exports no event-lag metric (the embedded store's
-  ``switchyard_kvstore_event_lag_seconds`` lives on a registry the router does not
-  serve), so what is printed is how many feeds are live and the ratio of the cached
-  tokens the router predicted to what the engines reported, which falls when events
-  lag behind the requests;
+- KV-event ingestion: how many feeds are live, the lag of each engine's last event
+  batch when the router applied it (``switchyard_kvstore_event_lag_seconds``: median and
+  worst over engines), and the ratio of the cached tokens the router predicted to what
+  the engines reported, which falls when events lag behind the requests;
 - router RSS and CPU% (of one core) while idle and under load.
 
 Usage::
@@ -37,7 +36,7 @@ from typing import Any
 import httpx
 
 from loadtest.client import Result, replay
-from loadtest.fleet import Engine, MockFleet
+from loadtest.fleet import MockFleet
 from loadtest.procs import REPO, free_port_block, wait_http
 from loadtest.prom import samples, values
 from loadtest.workloads import build_workload
@@ -63,6 +62,8 @@ class Report:
     schedule_p50_ms: float | None
     schedule_p99_ms: float | None
     event_feeds_live: int
+    event_lag_p50_ms: float | None
+    event_lag_max_ms: float | None
     predicted_over_actual_cached: float | None
     router_rss_mib_idle: float
     router_rss_mib_after: float
@@ -104,30 +105,6 @@ def quantile(before: dict[float, float], after: dict[float, float], q: float) ->
             return lower + (bound - lower) * (rank - below) / max(cum - below, 1e-12)
         lower, below = bound, cum
     return lower
-
-
-def start_fleet(fleet: MockFleet) -> None:
-    """``MockFleet.start`` without its health check of each engine in turn (3-6 minutes
-    for 2,000 on a loaded machine): mock-fleet prints its description only once every
-    process serves, and the router's readiness is checked worker by worker anyway."""
-    http = free_port_block(2 * fleet.count)  # one block: two could overlap
-    zmq = http + fleet.count
-    args = [
-        sys.executable, "-m", "switchyard", "mock-fleet", "--count", str(fleet.count),
-        "--base-port", str(http), "--kv-events-base-port", str(zmq),
-        "--speed", str(fleet.speed), "--seed", str(fleet.seed),
-        "--processes", str(fleet.processes),
-        *(["--num-gpu-blocks", str(fleet.num_gpu_blocks)] if fleet.num_gpu_blocks else []),
-    ]  # fmt: skip
-    fleet.proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, text=True)
-    assert fleet.proc.stdout is not None
-    line = fleet.proc.stdout.readline()
-    if not line:
-        fleet.stop()
-        raise RuntimeError("mock fleet exited before printing its description")
-    for e in json.loads(line)["engines"]:
-        events = e.get("kv_events") or []
-        fleet.engines.append(Engine(e["urls"][0]["url"], events[0]["endpoint"] if events else None))
 
 
 def router_command(fleet: MockFleet, port: int, policy: str) -> list[str]:
@@ -176,7 +153,7 @@ def run(args: argparse.Namespace) -> Report:
         processes=processes,
     )
     t0 = time.monotonic()
-    start_fleet(fleet)
+    fleet.start(check_each=False)
     fleet_start_s = time.monotonic() - t0
     port = free_port_block(1)
     env = dict(os.environ, PYTHONUNBUFFERED="1", SWITCHYARD_ROUTER_ADMIN_API_KEY=ADMIN_KEY)
@@ -243,6 +220,7 @@ def run(args: argparse.Namespace) -> Report:
     ok = [r for r in results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
     estimating = values(after, "switchyard_router_kv_estimating")
+    lags = sorted(values(after, "switchyard_kvstore_event_lag_seconds"))
     return Report(
         engines=args.engines,
         fleet_processes=processes,
@@ -255,6 +233,8 @@ def run(args: argparse.Namespace) -> Report:
         schedule_p50_ms=None if p50 is None else round(p50 * 1000, 2),
         schedule_p99_ms=None if p99 is None else round(p99 * 1000, 2),
         event_feeds_live=sum(1 for v in estimating if v == 0),
+        event_lag_p50_ms=round(lags[len(lags) // 2] * 1000, 1) if lags else None,
+        event_lag_max_ms=round(lags[-1] * 1000, 1) if lags else None,
         predicted_over_actual_cached=round(predicted / actual, 3) if actual else None,
         router_rss_mib_idle=round(rss_idle, 1),
         router_rss_mib_after=round(rss_after, 1),
