@@ -25,7 +25,8 @@ def engine() -> Iterator[StubBackend]:
 
 def _router(engine: StubBackend, *args: str) -> Iterator[str]:
     port = free_port()
-    server = Server(["router", "--port", str(port), "--worker", engine.url, *args], port).start()
+    argv = ["router", "--port", str(port), "--worker", engine.url, *args]
+    server = Server(argv, port, health_path="/ready").start()  # ready: the model is known
     try:
         yield server.url
     finally:
