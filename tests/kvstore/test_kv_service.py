@@ -264,7 +264,10 @@ def test_a_chat_part_whose_text_is_not_a_string_is_a_400(kv_client: TestClient) 
 def test_token_ids_and_placement_keys_outside_their_ranges_are_400s(
     kv_client: TestClient,
 ) -> None:
-    error_of(kv_client.post("/v1/lookup", json={"token_ids": [-1]}), 400)
-    error_of(kv_client.post("/v1/lookup", json={"token_ids": [2**32]}), 400)
     placement = {"keys": [2**64], "instance": E}
-    error_of(kv_client.post("/v1/placements", json=placement, headers=ADMIN), 400)
+    errors = [
+        error_of(kv_client.post("/v1/lookup", json={"token_ids": [-1]}), 400),
+        error_of(kv_client.post("/v1/lookup", json={"token_ids": [2**32]}), 400),
+        error_of(kv_client.post("/v1/placements", json=placement, headers=ADMIN), 400),
+    ]
+    assert [e["type"] for e in errors] == ["invalid_request_error"] * 3
