@@ -49,7 +49,10 @@ def next_worker(ranked: list[Worker], attempt: int, timed_out: list[Worker]) -> 
     most recently: an engine that hangs is tried first and late first, and the last attempt
     (which waits the full cap) must not go back to it (2026-12-01: with two workers, one hung
     by SIGSTOP, 1 of 48 requests went hung -> loaded -> hung and waited out the cap)."""
-    rotated = ranked[attempt % len(ranked) :] + ranked[: attempt % len(ranked)]
+    turn = attempt % len(ranked)
+    if not timed_out:  # every first attempt: no list built on the request path
+        return ranked[turn]
+    rotated = ranked[turn:] + ranked[:turn]
     for worker in rotated:
         if all(w is not worker for w in timed_out):
             return worker
