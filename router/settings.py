@@ -105,8 +105,8 @@ class RouterSettings(ServiceSettings):
     shutdown_timeout_s: float = Field(
         default=30.0,
         ge=0,
-        description="on SIGTERM, in-flight requests get this long to finish before they "
-        "are cancelled",
+        description="on SIGTERM, the process exits within this long: in-flight requests "
+        "run until 1 s before it (less shutdown_drain_s), then are cancelled",
     )
     shutdown_drain_s: float = Field(
         default=0.0,

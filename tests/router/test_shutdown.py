@@ -14,6 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
+from router.server import EXIT_RESERVE_S, graceful_window_s
+from router.settings import RouterSettings
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port
 
@@ -134,7 +136,7 @@ def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
 def test_ready_goes_false_while_the_router_drains(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, "--shutdown-drain-s", "2")
+    router = start_router(stub.url, "--shutdown-drain-s", "6")
     wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
     terminate(router)
     ready = httpx.get(router.url + "/ready", timeout=5)
@@ -184,3 +186,13 @@ def test_several_processes_answer_ready_503_while_they_drain(
     )
     assert served.status_code == 200
     exit_time(router)
+
+
+def test_the_graceful_window_ends_a_second_before_the_timeout_counted_from_the_signal() -> None:
+    settings = RouterSettings(shutdown_timeout_s=30, shutdown_drain_s=4)
+    assert graceful_window_s(settings) == 30 - 4 - EXIT_RESERVE_S
+
+
+def test_a_timeout_shorter_than_the_reserve_cancels_at_once_rather_than_never() -> None:
+    """uvicorn reads a window of 0 as no limit at all."""
+    assert 0 < graceful_window_s(RouterSettings(shutdown_timeout_s=0.5)) < 0.1
