@@ -135,7 +135,9 @@ class RouterApp:
             kv=self.kv,
         )
         self.api_key = data_access(settings.api_key)
-        self.tenants = TenantRequests(self.metrics.registry)
+        self.tenants = TenantRequests(
+            self.metrics.registry, settings.tenant_max_in_flight, settings.retry_after_s
+        )
         self.worker_authorization = (
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
         )
@@ -236,6 +238,7 @@ class RouterApp:
         task = asyncio.current_task()
         watcher: asyncio.Task[None] | None = None
         tenant: str | None = None
+        admitted = False
         try:
             if header_bytes > self.settings.max_header_bytes:
                 raise RouterError(
@@ -246,6 +249,8 @@ class RouterApp:
             tenant = self.api_key.tenant(auth)
             if tenant is None:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
+            self.tenants.admit(tenant)
+            admitted = True
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session, self.settings.client_kv_transfer)
             dispatch: Awaitable[tuple[int, str]]
@@ -286,6 +291,9 @@ class RouterApp:
         finally:
             if watcher is not None:
                 watcher.cancel()
+            if admitted:
+                assert tenant is not None
+                self.tenants.release(tenant)
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
         self.tenants.count(tenant, status)

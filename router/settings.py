@@ -38,6 +38,12 @@ class RouterSettings(ServiceSettings):
         description="Bearer keys clients must send, comma-separated; TENANT:KEY binds a key "
         "to a tenant that labels its requests",
     )
+    tenant_max_in_flight: int = Field(
+        default=0,
+        ge=0,
+        description="requests one tenant (of api_key's TENANT:KEY; keys bound to none share "
+        "'default') may have in flight per router process; beyond, 429 (0: no limit)",
+    )
     admin_api_key: str | None = Field(default=None, description="Bearer key for /admin")
     worker_api_key: str | None = Field(
         default=None,

@@ -3,6 +3,9 @@ and the router counts answered requests per tenant and outcome."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -10,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
+from router.errors import RouterError
 from router.settings import RouterSettings
 from router.tenants import TenantRequests, outcome_of
 from switchyard.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
@@ -131,3 +135,72 @@ def test_the_router_counts_each_request_under_its_keys_tenant(tenant_router: str
         'switchyard_router_tenant_requests_total{outcome="unauthorized",tenant="unknown"} 1.0'
         in text
     )
+
+
+def test_a_tenant_at_its_in_flight_limit_gets_429_with_retry_after() -> None:
+    tenants = TenantRequests(CollectorRegistry(), max_in_flight=2, retry_after_s=3)
+    tenants.admit("team-a")
+    tenants.admit("team-a")
+    with pytest.raises(RouterError) as refused:
+        tenants.admit("team-a")
+    assert refused.value.status == 429
+    assert refused.value.code == "tenant_concurrency_limit"
+    assert refused.value.headers == {"retry-after": "3"}
+
+
+def test_one_tenant_at_its_limit_leaves_another_tenant_admitted() -> None:
+    tenants = TenantRequests(CollectorRegistry(), max_in_flight=1)
+    tenants.admit("team-a")
+    tenants.admit("team-b")
+    assert tenants.in_flight == {"team-a": 1, "team-b": 1}
+
+
+def test_a_released_request_frees_its_tenants_slot() -> None:
+    tenants = TenantRequests(CollectorRegistry(), max_in_flight=1)
+    tenants.admit("team-a")
+    tenants.release("team-a")
+    tenants.admit("team-a")
+    assert tenants.in_flight == {"team-a": 1}
+
+
+def test_without_a_limit_a_tenant_is_never_refused() -> None:
+    tenants = TenantRequests(CollectorRegistry())
+    for _ in range(1000):
+        tenants.admit("team-a")
+    assert tenants.in_flight == {"team-a": 1000}
+
+
+def test_the_router_refuses_a_tenant_over_its_limit_while_serving_the_other() -> None:
+    """Each tenant may hold one request at once: team-a's second gets 429 while its first
+    is held by a hung engine, and team-b's first still reaches the engine."""
+    engine = StubBackend().start()
+    engine.state.hang = True
+    port = free_port()
+    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--tenant-max-in-flight", "1"]
+    server = Server(["router", "--port", str(port), "--worker", engine.url, *keys], port, "/ready")
+    url = server.start().url + "/v1/completions"
+    body = {"model": "stub-model", "prompt": "hi"}
+
+    def send(key: str) -> None:
+        headers = {"authorization": f"Bearer {key}"}
+        with contextlib.suppress(httpx.HTTPError):  # held until the client gives up
+            httpx.post(url, json=body, headers=headers, timeout=3)
+
+    held = [threading.Thread(target=send, args=(key,)) for key in ("key-a", "key-b")]
+    try:
+        held[0].start()
+        deadline = time.monotonic() + 30
+        while engine.state.requests < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        over = httpx.post(url, json=body, headers={"authorization": "Bearer key-a"}, timeout=30)
+        held[1].start()
+        while engine.state.requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert over.status_code == 429
+        assert over.json()["error"]["code"] == "tenant_concurrency_limit"
+        assert engine.state.requests == 2
+    finally:
+        for thread in held:
+            thread.join()
+        server.stop()
+        engine.stop()
