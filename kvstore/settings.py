@@ -9,6 +9,7 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvstore.discovery import worker_url
+from kvstore.keys import KEY_CACHE_BYTES
 from kvstore.tokenize import CACHE_BYTES as TOKENIZE_CACHE_BYTES
 from switchyard.settings import ServiceSettings
 
@@ -111,6 +112,11 @@ class KVStoreSettings(ServiceSettings):
         default=TOKENIZE_CACHE_BYTES,
         gt=0,
         description="memory for cached token ids of chat messages and prompt pieces, bytes",
+    )
+    key_cache_bytes: int = Field(
+        default=KEY_CACHE_BYTES,
+        gt=0,
+        description="memory for cached block keys of prompts seen before, bytes",
     )
     # Tokens per KV block until an engine's events tell its own (the one default).
     block_size: int = Field(default=16, gt=0, description="KV block size until events tell")

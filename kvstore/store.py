@@ -27,7 +27,7 @@ from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_ba
 from kvstore.feed import Feed, FeedInfo, Verdict
 from kvstore.index import KVIndex, Location, LocationInfo, Match, rank_matches
 from kvstore.ingest import Ingestor
-from kvstore.keys import KeyCache, key_extra
+from kvstore.keys import KEY_CACHE_BYTES, KeyCache, key_extra
 from kvstore.listener import Listener, TopicMap
 from kvstore.memory import MemoryIndex
 from kvstore.metrics import KVStoreMetrics
@@ -94,6 +94,7 @@ class KVStore:
         probe_interval_s: float = 0.25,
         replay_timeout_s: float = 1.0,
         metrics: KVStoreMetrics | None = None,
+        key_cache_bytes: int = KEY_CACHE_BYTES,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
@@ -111,7 +112,7 @@ class KVStore:
         self.replay_timeout_s = replay_timeout_s
         self.metrics = metrics or KVStoreMetrics()
         # Block keys of prompts seen before: turn k+1 of a chat keys only its new blocks.
-        self.key_cache = KeyCache()
+        self.key_cache = KeyCache(key_cache_bytes)
         self.degraded = False
         self._ctx: zmq.asyncio.Context | None = None
         self._subscribers: dict[str, Subscriber] = {}

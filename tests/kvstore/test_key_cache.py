@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from kvstore.build import store_from_settings
 from kvstore.keys import KeyCache, block_keys
+from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
 from router.kv import KVAwareness
@@ -98,3 +100,10 @@ def test_stopping_the_store_ends_the_tokenizer_thread() -> None:
 def _tokenize_threads() -> list[threading.Thread]:
     alive = threading.enumerate()
     return [t for t in alive if t.name.startswith("switchyard-tokenize")]
+
+
+def test_the_store_sizes_its_key_cache_from_the_settings() -> None:
+    small = store_from_settings(KVStoreSettings(key_cache_bytes=KeyCache.ENTRY_BYTES * 10))
+    large = store_from_settings(KVStoreSettings())
+    assert small.key_cache.max_entries == 10
+    assert large.key_cache.max_entries > 10_000
