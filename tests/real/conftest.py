@@ -3,7 +3,7 @@
 Two single-rank engines serve the tiny random-weight Llama (block size 32) for the whole
 run; a third engine runs two data-parallel ranks, and the failure test at the end of
 ``test_real_dp_engine.py`` kills it. ``test_real_pd.py`` starts two more, with vLLM's
-NixlConnector, when it first runs (after the DP engine is gone): the shared pair stays
+NixlConnector, for its own module (after the DP engine is gone): the shared pair stays
 without a KV connector, so the other tests measure plain engines. The first three start
 together: a start costs a minute or more of CPU on this two-core machine and overlaps with
 the others' waiting. Without vLLM installed every test here is skipped, with the reason.
@@ -74,12 +74,14 @@ def pair(fleet: list[VllmEngine]) -> list[VllmEngine]:
     return fleet[:2]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pd_pair(
     tiny_model: Path, fleet: list[VllmEngine], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[VllmEngine]]:
     """A prefill and a decode engine (NixlConnector, role kv_both, KV buffer in host
-    memory) on cores 0 and 1."""
+    memory) on cores 0 and 1, stopped after their module: NIXL's workers keep about a
+    core busy while idle (seen 2026-12-01 in top, mostly system time), which starved the
+    tests after them in a CI run."""
     logs = tmp_path_factory.mktemp("vllm-pd-logs")
     opts = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, nixl=True)
     engines: list[VllmEngine] = []

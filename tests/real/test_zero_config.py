@@ -18,6 +18,7 @@ from tests.support import TOKENIZER_DIR, Server, free_port, metric
 
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
 ACTUAL = "switchyard_router_actual_cached_tokens_total"
+STORED = "switchyard_kvstore_blocks_stored_total"
 ADMIN = "zero-config-admin"
 AUTH = {"authorization": f"Bearer {ADMIN}"}  # the admin API and /metrics
 
@@ -47,6 +48,18 @@ def parity_of(router: Server, timeout_s: float = 120.0) -> dict[str, dict]:
         time.sleep(0.5)
 
 
+def blocks_stored(router: Server) -> float:
+    return metric(httpx.get(router.url + "/metrics", headers=AUTH, timeout=10).text, STORED)
+
+
+def wait_stored(router: Server, before: float, blocks: int, timeout_s: float = 30.0) -> None:
+    """Until the router has indexed ``blocks`` more blocks from the engines' events (a
+    fixed pause was too short while other engines loaded the cores)."""
+    deadline = time.monotonic() + timeout_s
+    while blocks_stored(router) < before + blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def counters(router: Server) -> tuple[float, float]:
     text = httpx.get(router.url + "/metrics", headers=AUTH, timeout=10).text
     return metric(text, PREDICTED), metric(text, ACTUAL)
@@ -70,6 +83,7 @@ def test_worker_urls_alone_route_each_conversation_to_the_engine_that_holds_it(
             for turn in range(3):
                 messages.append({"role": "user", "content": f"Question {turn}: item {turn * 7}?"})
                 before = counters(router)
+                stored = blocks_stored(router)
                 resp = httpx.post(
                     router.url + "/v1/chat/completions",
                     json={"model": MODEL, "messages": messages, "max_tokens": 4},
@@ -85,7 +99,8 @@ def test_worker_urls_alone_route_each_conversation_to_the_engine_that_holds_it(
                 if turn:
                     assert cached >= BLOCK_SIZE * 20
                 messages.append(body["choices"][0]["message"])
-                time.sleep(0.5)  # the engine publishes the turn's blocks after its step
+                new_blocks = (body["usage"]["prompt_tokens"] - cached) // BLOCK_SIZE
+                wait_stored(router, stored, new_blocks)
             assert len(served) == 1
 
 
