@@ -325,16 +325,20 @@ def _return_large_buffers() -> None:
 
 
 # What a router process needs after its graceful window to answer the cancelled requests,
-# close its clients and exit. Measured 2026-12-01, bench.faults sigterm row with a 5 s
-# timeout: exit 5.2 s after SIGTERM with one process, 5.7 s with two.
+# close its clients and exit; under --processes the supervisor needs as long again to see
+# its processes gone (it polls every 0.5 s, between health pings). Measured 2026-12-01,
+# bench.faults sigterm rows, 5 s timeout: with no reserve, exit after 5.2 s (one
+# process) and 5.7 s (two); with 1 s reserved for both, 4.2 s and 5.0 s.
 EXIT_RESERVE_S = 1.0
+SUPERVISOR_RESERVE_S = 1.0
 
 
 def graceful_window_s(settings: RouterSettings) -> float:
     """How long in-flight requests may run after the listener closes, so that the process
     exits within ``shutdown_timeout_s`` of SIGTERM (drain included), as an orchestrator's
     grace period expects. Never 0: uvicorn reads 0 as "wait for ever"."""
-    window = settings.shutdown_timeout_s - settings.shutdown_drain_s - EXIT_RESERVE_S
+    reserve = EXIT_RESERVE_S + (SUPERVISOR_RESERVE_S if settings.processes > 1 else 0.0)
+    window = settings.shutdown_timeout_s - settings.shutdown_drain_s - reserve
     return max(window, 0.01)
 
 

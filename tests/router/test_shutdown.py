@@ -14,7 +14,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from router.server import EXIT_RESERVE_S, graceful_window_s
+from router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
 from router.settings import RouterSettings
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port
@@ -191,6 +191,11 @@ def test_several_processes_answer_ready_503_while_they_drain(
 def test_the_graceful_window_ends_a_second_before_the_timeout_counted_from_the_signal() -> None:
     settings = RouterSettings(shutdown_timeout_s=30, shutdown_drain_s=4)
     assert graceful_window_s(settings) == 30 - 4 - EXIT_RESERVE_S
+
+
+def test_several_processes_reserve_time_for_the_supervisor_as_well() -> None:
+    settings = RouterSettings(shutdown_timeout_s=30, processes=2)
+    assert graceful_window_s(settings) == 30 - EXIT_RESERVE_S - SUPERVISOR_RESERVE_S
 
 
 def test_a_timeout_shorter_than_the_reserve_cancels_at_once_rather_than_never() -> None:
