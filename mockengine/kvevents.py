@@ -109,6 +109,10 @@ def encode_batch(batch: KVEventBatch, encoding: Encoding = "array") -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
+# Inproc inbox names, unique for the life of the process.
+_INBOXES = itertools.count()
+
+
 class KVEventPublisher:
     """One rank's event stream. ``publish`` is safe to call from the engine's loop."""
 
@@ -132,7 +136,9 @@ class KVEventPublisher:
         self.encoding: Encoding = encoding
         self.dp_rank = dp_rank
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._inbox_addr = f"inproc://kvevents-{id(self)}"
+        # A counter, not id(self): an id comes back for a new publisher while the inbox of
+        # a collected one may still be bound (CI, 2026-12-01: "Address already in use").
+        self._inbox_addr = f"inproc://kvevents-{next(_INBOXES)}"
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._seq = itertools.count()
         self._lock = threading.Lock()

@@ -30,12 +30,12 @@ PARAMS = {"rate": 8.0, "duration_s": 8.0}
 SPEED = 0.2
 HIT_TOLERANCE = 0.02
 TIME_TOLERANCE = 0.15
-# The HTTP path's own fixed cost per first token (client, router, the engine's HTTP and
-# tokenization), which the simulation does not model: in a clean-clone CI run on
-# 2026-12-01 kv_aware's TTFT p50 was 63 ms simulated against 75 ms over HTTP (16% off
-# at the smallest figure; round_robin's 96 against 103). A time agrees within 15% or
-# this much, whichever is larger.
-TIME_FLOOR_MS = 15.0
+# The HTTP path's own cost per first token (client, router, the engine's HTTP and
+# tokenization), which the simulation does not model: three clean-clone CI runs on
+# 2026-12-01 had the HTTP TTFT 7-22 ms above the simulated one (kv_aware p90 114
+# simulated against 136 over HTTP, 16%; round_robin p50 96 against 112). A time agrees
+# within 15% or this much, whichever is larger.
+TIME_FLOOR_MS = 25.0
 
 
 def within(sim: float | None, http: float | None, rel: float, floor: float = 0.0) -> bool:
