@@ -33,11 +33,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to sockets bound to port 0 (Linux's default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int, rng: random.Random | None = None) -> int:
-    """First port of ``n`` consecutive free loopback ports."""
+    """First port of ``n`` consecutive free loopback ports, below the kernel's ephemeral
+    range: a port chosen inside it could be taken by another process's outgoing or
+    port-0 socket before its server binds it (CI, 2026-12-01: a vLLM engine of the P/D
+    pair exited with "Address already in use" while the other engine started)."""
     rng = rng or random.Random()
+    high = max(_ephemeral_low(), 20000 + n + 1)
     for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
+        base = rng.randrange(10000, high - n)
         socks = []
         try:
             for p in range(base, base + n):
