@@ -21,7 +21,7 @@ from balancer.filesource import FileSource
 from balancer.health import Circuit
 from balancer.probe import Prober
 from balancer.settings import BalancerSettings
-from balancer.shared import RedisShare
+from balancer.shared import FleetShare, RedisShare
 from balancer.view import Listener
 from balancer.worker import Outcome, RankCounters, Role, Ticket, Worker, WorkerSpec
 
@@ -65,7 +65,8 @@ class Fleet:
         self._sources: list[Source] = []
         self._prober: Prober | None = None
         self._ticket_ids = itertools.count(1)
-        self.shared: RedisShare | None = None
+        self.shared: FleetShare | None = None
+        self._siblings: FleetShare | None = None
         for text in self.settings.workers:
             self.add(WorkerSpec.parse(text))
         for spec in specs:
@@ -79,8 +80,8 @@ class Fleet:
         self._prober = Prober(self)
         await self._prober.start()
         s = self.settings
-        if s.redis_url:
-            self.shared = RedisShare(self, s.redis_url)
+        self.shared = RedisShare(self, s.redis_url) if s.redis_url else self._siblings
+        if self.shared is not None:
             self._sources.append(self.shared)
         if s.workers_file:
             self._sources.append(FileSource(self, s.workers_file))
@@ -102,6 +103,11 @@ class Fleet:
         self.shared = None
         self._prober = None
         await prober.stop()
+
+    def share_with_siblings(self, share: FleetShare) -> None:
+        """Share counts and admin changes with the other processes of this router, unless
+        Redis shares them with every replica (set before ``start``)."""
+        self._siblings = share
 
     # Registry
 

@@ -183,12 +183,18 @@ class BalancerSettings(ServiceSettings):
     lease_s: float = Field(
         default=3.0,
         validation_alias=AliasChoices("lease_s", "lease_seconds"),
-        description="TTL of this instance's counts in Redis",
+        description="TTL of this instance's counts in Redis (and among a router's processes)",
     )
     sync_interval_s: float = Field(
         default=0.25,
         validation_alias=AliasChoices("sync_interval_s", "sync_interval"),
         description="between Redis syncs",
+    )
+    sibling_sync_interval_s: float = Field(
+        default=0.02,
+        gt=0,
+        description="between syncs of in-flight counts among one router's processes (a "
+        "local socket: cheap enough to be near-exact)",
     )
 
     # Tickets handed out by the service (`POST /v1/pick`) that are never ended expire.

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 import redis.asyncio as aioredis
@@ -41,6 +41,66 @@ def set_remote(counters: RankCounters, values: Sequence[int]) -> None:
         counters.remote_decode_seqs,
         counters.remote_decode_tokens,
     ) = values
+
+
+class FleetShare(Protocol):
+    """How a fleet shares its counts and admin registry with its peers: ``RedisShare``
+    across router replicas, ``SiblingShare`` across the processes of one router."""
+
+    @property
+    def peers(self) -> int:
+        """How many peers' counts are folded in."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def publish_add(self, spec: WorkerSpec) -> None: ...
+
+    def publish_remove(self, worker_id: str) -> None: ...
+
+    def publish_drain(self, worker_id: str) -> None: ...
+
+    def publish_undrain(self, spec: WorkerSpec) -> None: ...
+
+
+def own_counts(fleet: Fleet) -> dict[tuple[str, int], tuple[int, int, int, int]]:
+    """This instance's non-zero counts per (worker, rank)."""
+    out: dict[tuple[str, int], tuple[int, int, int, int]] = {}
+    for worker in fleet.workers():
+        for rank, counters in enumerate(worker.ranks):
+            values = counters.local_tuple()
+            if any(values):
+                out[worker.id, rank] = values
+    return out
+
+
+def fold_peers(fleet: Fleet, totals: dict[tuple[str, int], list[int]]) -> None:
+    """Make the peers' summed counts per (worker, rank) the remote part of every worker."""
+    for worker in fleet.workers():
+        summed = [0, 0, 0, 0]
+        for rank, counters in enumerate(worker.ranks):
+            values = totals.get((worker.id, rank), (0, 0, 0, 0))
+            set_remote(counters, values)
+            summed = [a + b for a, b in zip(summed, values, strict=True)]
+        set_remote(worker.totals, summed)
+        worker.inflight = worker.local_inflight + summed[0]
+
+
+def apply_change(fleet: Fleet, data: dict[str, Any]) -> None:
+    """Apply a registry change a peer broadcast (the messages of ``publish_*``)."""
+    try:
+        op = data.get("op")
+        if op == "add":
+            fleet.add(WorkerSpec.from_any(data["spec"]), source="admin")
+        elif op == "remove":
+            fleet.remove(str(data["id"]))
+        elif op == "drain":
+            fleet.drain(str(data["id"]))
+        elif op == "undrain":
+            fleet.undrain(str(data["id"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        log.error("bad registry message %r: %s", data, exc)
 
 
 class RedisShare:
@@ -105,13 +165,10 @@ class RedisShare:
     # In-flight counts
 
     def _own_counts(self) -> dict[FieldT, EncodableT]:
-        out: dict[FieldT, EncodableT] = {}
-        for worker in self.fleet.workers():
-            for rank, counters in enumerate(worker.ranks):
-                values = counters.local_tuple()
-                if any(values):
-                    out[f"{worker.id}\t{rank}"] = ",".join(map(str, values))
-        return out
+        return {
+            f"{worker_id}\t{rank}": ",".join(map(str, values))
+            for (worker_id, rank), values in own_counts(self.fleet).items()
+        }
 
     async def sync(self) -> None:
         """Publish our counts, renew our lease, and fold in the live peers' counts."""
@@ -141,17 +198,7 @@ class RedisShare:
                 acc = totals.setdefault((worker_id, int(rank)), [0, 0, 0, 0])
                 for i, n in enumerate(value.split(",")):
                     acc[i] += int(n)
-        self._fold(totals)
-
-    def _fold(self, totals: dict[tuple[str, int], list[int]]) -> None:
-        for worker in self.fleet.workers():
-            summed = [0, 0, 0, 0]
-            for rank, counters in enumerate(worker.ranks):
-                values = totals.get((worker.id, rank), (0, 0, 0, 0))
-                set_remote(counters, values)
-                summed = [a + b for a, b in zip(summed, values, strict=True)]
-            set_remote(worker.totals, summed)
-            worker.inflight = worker.local_inflight + summed[0]
+        fold_peers(self.fleet, totals)
 
     async def _sync_loop(self) -> None:
         while True:
@@ -225,16 +272,6 @@ class RedisShare:
     def _apply(self, data: dict[str, Any]) -> None:
         self._applying = True
         try:
-            op = data.get("op")
-            if op == "add":
-                self.fleet.add(WorkerSpec.from_any(data["spec"]), source="admin")
-            elif op == "remove":
-                self.fleet.remove(str(data["id"]))
-            elif op == "drain":
-                self.fleet.drain(str(data["id"]))
-            elif op == "undrain":
-                self.fleet.undrain(str(data["id"]))
-        except (KeyError, ValueError, TypeError) as exc:
-            log.error("bad registry message %r: %s", data, exc)
+            apply_change(self.fleet, data)
         finally:
             self._applying = False

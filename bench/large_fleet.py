@@ -37,7 +37,7 @@ import httpx
 
 from loadtest.client import Result, replay
 from loadtest.fleet import MockFleet
-from loadtest.procs import REPO, free_port_block, wait_http
+from loadtest.procs import REPO, cpu_seconds, free_port_block, wait_http
 from loadtest.prom import samples, values
 from loadtest.workloads import build_workload
 from mockengine.fleet import default_processes
@@ -46,7 +46,6 @@ from mockengine.settings import DEFAULT_TOKENIZER
 MODEL = "mock-model"
 ADMIN_KEY = "large-fleet-bench"
 SCHEDULE = "switchyard_router_schedule_seconds"
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -70,11 +69,6 @@ class Report:
     router_cpu_pct_idle: float
     router_cpu_pct_load: float
     first_errors: list[str]
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def rss_mib(pid: int) -> float:

@@ -26,9 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from loadtest.procs import Server, free_port
+from loadtest.procs import Server, cpu_seconds, free_port
 from mockengine.engine.api import EngineRequest
 from mockengine.engine.config import EngineConfig
 from mockengine.engine.virtual import VirtualFleet
@@ -81,12 +80,6 @@ asyncio.run(main())
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip())
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def http_figures(duration: float, connections: int) -> None:

@@ -5,7 +5,10 @@ Targets, each measured ``--rounds`` times in rotating order: the backend directl
 ``switchyard router`` in front of it, and ``smg launch`` (pip install smg) when
 installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
 
-    python -m bench.overhead [--duration 10] [--rounds 3] [--connections 32] [--processes 2]
+    python -m bench.overhead [--duration 10] [--rounds 3] [--connections 32] [--processes N]
+        [--policy P]
+
+Switchyard runs its default command (no flags beyond the worker) unless told otherwise.
 """
 
 from __future__ import annotations
@@ -157,8 +160,8 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--connections", type=int, default=32)
-    ap.add_argument("--policy", default="round_robin")
-    ap.add_argument("--processes", type=int, default=1, help="switchyard router --processes")
+    ap.add_argument("--policy", default=None, help="switchyard router --policy (its default)")
+    ap.add_argument("--processes", default=None, help="switchyard router --processes (its default)")
     ap.add_argument("--sse-streams", type=int, default=16)
     ap.add_argument("--no-smg", action="store_true")
     args = ap.parse_args()
@@ -185,7 +188,10 @@ def main() -> None:
         stack.enter_context(
             process(
                 router_argv(
-                    backend, sy_port, "--policy", args.policy, "--processes", str(args.processes)
+                    backend,
+                    sy_port,
+                    *(["--policy", args.policy] if args.policy else []),
+                    *(["--processes", args.processes] if args.processes else []),
                 ),
                 sy_port,
                 "/ready",

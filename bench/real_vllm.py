@@ -37,6 +37,7 @@ from loadtest.ceiling import ceiling
 from loadtest.client import replay
 from loadtest.compare import CompareConfig, Outcome, Run, run_order
 from loadtest.metrics import SLO, percentile, summarize
+from loadtest.procs import cpu_seconds
 from loadtest.prom import totals
 from loadtest.report import aggregate, wide_console, write_reports
 from loadtest.routers import RouterSpec, Unavailable, start_router
@@ -83,12 +84,6 @@ def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> flo
     if count <= 0:
         return None
     return (after[name + "_sum"] - before[name + "_sum"]) / count * 1000.0
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of a live process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def router_schedule_ms(url: str) -> float | None:

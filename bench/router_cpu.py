@@ -35,6 +35,7 @@ from loadtest.client import Result, replay
 from loadtest.compare import MODEL, run_order
 from loadtest.fleet import MockFleet
 from loadtest.metrics import percentile
+from loadtest.procs import cpu_seconds
 from loadtest.prom import samples
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
@@ -43,14 +44,6 @@ from mockengine.settings import DEFAULT_TOKENIZER
 
 ROUTERS = ("kv_aware", "smg:cache_aware")
 SCHEDULE = "switchyard_router_schedule_seconds_bucket"
-_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 def workload_for(name: str, requests: int, seed: int) -> Workload:
@@ -108,9 +101,9 @@ def one_run(fleet: MockFleet, spec: RouterSpec, workload: Workload, repeat: int)
     fleet.reset()
     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
         time.sleep(0.5)
-        before = process_cpu_s(router.proc.pid)
+        before = cpu_seconds(router.proc.pid)
         results: list[Result] = asyncio.run(replay(router.url, workload, MODEL))
-        cpu = process_cpu_s(router.proc.pid) - before
+        cpu = cpu_seconds(router.proc.pid) - before
         buckets = schedule_buckets(router.url)
     ttft = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     return Row(workload.name, spec.label, repeat, sum(r.ok for r in results), cpu, ttft, buckets)
@@ -126,9 +119,9 @@ def idle_bench(args: argparse.Namespace) -> None:
                 try:
                     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
                         time.sleep(2.0)
-                        before = process_cpu_s(router.proc.pid)
+                        before = cpu_seconds(router.proc.pid)
                         time.sleep(args.idle_s)
-                        cpu = process_cpu_s(router.proc.pid) - before
+                        cpu = cpu_seconds(router.proc.pid) - before
                 except Unavailable as exc:
                     print(f"{spec.label}: not available ({exc})", file=sys.stderr)
                     continue

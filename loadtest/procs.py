@@ -27,6 +27,42 @@ class ProcessExited(RuntimeError):
     """The process died before it became healthy."""
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (field 3 onwards)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process and its live descendants, seconds.
+
+    A router under ``--processes`` (the default: one per core) serves from its children,
+    so the supervisor's own time would leave out nearly all of it."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int(_stat(int(entry.name))[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [p for p, pp in parents.items() if pp == parent and p not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    total = 0.0
+    for member in tree:
+        try:
+            fields = _stat(member)
+        except OSError:
+            continue  # exited since the scan
+        total += (int(fields[11]) + int(fields[12])) * _TICK_S
+    return total
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

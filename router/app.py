@@ -16,6 +16,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from balancer.siblings import SiblingBus
 from balancer.view import FleetView
 from balancer.worker import Worker
 from kvstore.remote import RemoteKVStore
@@ -74,10 +75,13 @@ class RouterApp:
         scheduler: Scheduler,
         kvstore: KVStore | RemoteKVStore | None = None,
         clock: Callable[[], float] = time.monotonic,
+        siblings: SiblingBus | None = None,
     ) -> None:
-        """``clock`` dates the router's snapshots (a simulator passes its virtual clock)."""
+        """``clock`` dates the router's snapshots (a simulator passes its virtual clock).
+        ``siblings``: the bus to the other processes of this router (``--processes``)."""
         self.settings = settings
         self.fleet = fleet
+        self.siblings = siblings
         self.scheduler = scheduler
         self.metrics = RouterMetrics()
         self.kv = (
@@ -89,6 +93,7 @@ class RouterApp:
                 event_lag_ttl_s=settings.event_lag_ttl_s,
                 parity_interval_s=settings.parity_interval_s if settings.kv_parity else None,
                 clock=clock,
+                siblings=siblings,
             )
             if kvstore is not None
             else None
@@ -146,6 +151,8 @@ class RouterApp:
         self.control = build_control_app(self)
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            await self.siblings.start()
         await self.relay.start()
         if self.pd is not None:
             await self.pd.start()
@@ -162,6 +169,8 @@ class RouterApp:
         if self.pd is not None:
             await self.pd.stop()
         await self.relay.stop()
+        if self.siblings is not None:
+            await self.siblings.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

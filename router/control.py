@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from balancer.admin import admin_router
 from balancer.worker import Role
-from router.errors import RouterError
+from router.metrics import METRICS_DIR_ENV
 from router.settings import RouterSettings
 from switchyard.auth import RequireKey, admin_access, data_access, startup_line
 from switchyard.errors import install_error_handlers
@@ -119,8 +120,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
-    fleet_collector = _FleetCollector(router)
-    router.metrics.registry.register(fleet_collector)
+    router.metrics.register_live(_FleetCollector(router))
 
     install_error_handlers(app)
     settings = router.settings
@@ -128,19 +128,6 @@ def build_control_app(router: RouterApp) -> FastAPI:
         logging.INFO if settings.admin_api_key else logging.WARNING,
         startup_line("router", settings.admin_api_key, settings.api_key),
     )
-
-    def one_registry() -> None:
-        """Several processes without Redis each keep their own registry: a change made
-        through one of them would not reach the others."""
-        settings = router.settings
-        if settings.processes > 1 and settings.redis_url is None:
-            raise RouterError(
-                409,
-                f"This router runs {settings.processes} processes without --redis: admin "
-                "changes would reach only one of them. Start it with --redis, or change "
-                "the workers in its config and restart.",
-                code="admin_needs_redis",
-            )
 
     @app.get("/health", summary="The router process is alive")
     async def health() -> dict[str, str]:
@@ -170,12 +157,13 @@ def build_control_app(router: RouterApp) -> FastAPI:
     @app.get("/metrics", summary="Prometheus metrics", dependencies=observers)
     async def metrics() -> Response:
         registry = router.metrics.registry
-        if router.settings.processes > 1:
-            # Every process writes its samples to files: sum them all, whichever answers.
-            # The fleet gauges are the answering process's own view.
+        if METRICS_DIR_ENV in os.environ:
+            # One of several processes, each writing its samples to files: sum them all,
+            # whichever answers. The live gauges are the answering process's own view.
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # unannotated upstream
-            registry.register(fleet_collector)
+            for collector in router.metrics.live:
+                registry.register(collector)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(
@@ -190,8 +178,6 @@ def build_control_app(router: RouterApp) -> FastAPI:
             ],
         }
 
-    app.include_router(
-        admin_router(router.fleet, admin_access(settings.admin_api_key), [one_registry])
-    )
+    app.include_router(admin_router(router.fleet, admin_access(settings.admin_api_key)))
 
     return app

@@ -15,6 +15,9 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgpack
+
+from balancer.siblings import SiblingBus
 from kvstore.keys import KeyCache
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from router.metrics import RouterMetrics
 
 OCCUPANCY_TTL_S = 0.1
+PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
 PROBE_CHARS = 512
 PROBE_GROWTH = 4
 
@@ -99,13 +103,23 @@ class PrefixSource(Protocol):
 class EmbeddedPrefixes:
     """The KV store in the router's own process: follows the fleet, probes prompt heads."""
 
-    def __init__(self, store: KVStore, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        store: KVStore,
+        clock: Callable[[], float] = time.monotonic,
+        siblings: SiblingBus | None = None,
+    ) -> None:
+        """``siblings``: the other processes of this router, told of every placement (each
+        follows the engines' events itself; placements are what only one process knows)."""
         self.store = store
         self.clock = clock  # when the occupancy snapshot is stale (a simulator's own clock)
+        self.siblings = siblings
         self._occupancy: dict[str, int] = {}
         self._occupancy_at = -1.0
 
     async def start(self) -> None:
+        if self.siblings is not None:
+            self.siblings.on(PLACE, self._on_sibling_place)
         await self.store.start()
 
     async def stop(self) -> None:
@@ -168,12 +182,18 @@ class EmbeddedPrefixes:
 
     async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
         await self.store.record_placement(keys, instance, rank, ttl_s)
+        if self.siblings is not None and keys:
+            self.siblings.publish(PLACE, msgpack.packb((keys, instance, rank, ttl_s)))
 
     async def place_prompt(
         self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
     ) -> None:
         tokens, _ = await self.store.tokenize(model, **prompt)
         keys = self.store.keys_for(tokens, None, salt, self.store.block_size_of(instance))
+        await self.place(keys, instance, rank, ttl_s)
+
+    async def _on_sibling_place(self, origin: str, payload: bytes) -> None:
+        keys, instance, rank, ttl_s = msgpack.unpackb(payload)
         await self.store.record_placement(keys, instance, rank, ttl_s)
 
     async def occupancy(self) -> dict[str, int]:
@@ -263,11 +283,13 @@ class RemotePrefixes:
 
 
 def prefix_source(
-    store: KVStore | RemoteKVStore, clock: Callable[[], float] = time.monotonic
+    store: KVStore | RemoteKVStore,
+    clock: Callable[[], float] = time.monotonic,
+    siblings: SiblingBus | None = None,
 ) -> PrefixSource:
     if isinstance(store, RemoteKVStore):
         return RemotePrefixes(store)
-    return EmbeddedPrefixes(store, clock)
+    return EmbeddedPrefixes(store, clock, siblings)
 
 
 class KVAwareness:
@@ -281,8 +303,9 @@ class KVAwareness:
         event_lag_ttl_s: float = 2.0,
         parity_interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        siblings: SiblingBus | None = None,
     ) -> None:
-        self.source = prefix_source(store, clock)
+        self.source = prefix_source(store, clock, siblings)
         self.fleet = fleet
         self.speculative_ttl_s = speculative_ttl_s
         self.event_lag_ttl_s = event_lag_ttl_s

@@ -9,10 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
 _SCHEDULE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1, 5)
+
+
+# prometheus_client's multiprocess mode: set (by the supervisor of several router processes),
+# every metric writes its samples to files in this directory, summed on each /metrics.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class LabelCache:
@@ -33,6 +39,10 @@ class RouterMetrics(LabelCache):
     def __init__(self) -> None:
         super().__init__()
         self.registry = CollectorRegistry()
+        # Collectors that read this process's live state at scrape time. Under --processes
+        # the summed /metrics is built from the processes' metric files, which hold none of
+        # these: it adds them from the answering process.
+        self.live: list[Collector] = []
         r = self.registry
         self.requests = Counter(
             "switchyard_router_requests",
@@ -97,6 +107,11 @@ class RouterMetrics(LabelCache):
             buckets=_RATIO_BUCKETS,
             registry=r,
         )
+
+    def register_live(self, collector: Collector) -> None:
+        """Serve ``collector`` on /metrics, also when several processes sum their metrics."""
+        self.registry.register(collector)
+        self.live.append(collector)
 
 
 class KVMetrics:

@@ -24,6 +24,7 @@ from uvicorn.supervisors.multiprocess import Multiprocess
 from balancer.fleet import Fleet
 from balancer.remote import RemoteFleet
 from balancer.settings import BalancerSettings
+from balancer.siblings import SiblingBus, SiblingShare
 from balancer.view import FleetView
 from balancer.worker import WorkerSpec
 from kvstore.build import store_from_settings
@@ -32,6 +33,7 @@ from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from router.app import RouterApp
 from router.connections import BoundedHttpToolsProtocol, ConnectionLimits
+from router.metrics import METRICS_DIR_ENV
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
 
@@ -51,14 +53,22 @@ def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
     return specs
 
 
-def build_fleet(settings: RouterSettings, config_file: str | Path | None) -> FleetView:
+def build_fleet(
+    settings: RouterSettings, config_file: str | Path | None, siblings: SiblingBus | None = None
+) -> FleetView:
+    """The embedded fleet shares with ``siblings``; a balancer service is shared already."""
     balancer = BalancerSettings.load(config_file, redis_url=settings.redis_url)
     if settings.balancer != "embedded":
-        fleet = RemoteFleet(settings.balancer, api_key=settings.balancer_api_key, settings=balancer)
+        remote = RemoteFleet(
+            settings.balancer, api_key=settings.balancer_api_key, settings=balancer
+        )
         for spec in worker_specs(settings):
-            fleet.add(spec)
-        return fleet
-    return Fleet(balancer, specs=worker_specs(settings))
+            remote.add(spec)
+        return remote
+    fleet = Fleet(balancer, specs=worker_specs(settings))
+    if siblings is not None:
+        fleet.share_with_siblings(SiblingShare(fleet, siblings))
+    return fleet
 
 
 def build_kvstore(
@@ -82,13 +92,18 @@ def build_kvstore(
     return store_from_settings(kv)
 
 
-def build_app(settings: RouterSettings, config_file: str | Path | None = None) -> RouterApp:
+def build_app(
+    settings: RouterSettings,
+    config_file: str | Path | None = None,
+    siblings: SiblingBus | None = None,
+) -> RouterApp:
+    """``siblings``: the bus to the other processes of this router, if it runs several."""
     scheduler = build_scheduler(
         settings.policy, settings.policy_options, block_size=settings.block_size
     )
-    fleet = build_fleet(settings, config_file)
+    fleet = build_fleet(settings, config_file, siblings)
     kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
-    return RouterApp(settings, fleet, scheduler, kvstore)
+    return RouterApp(settings, fleet, scheduler, kvstore, siblings=siblings)
 
 
 def preflight(settings: RouterSettings) -> None:
@@ -143,28 +158,33 @@ def startup_summary(settings: RouterSettings) -> list[str]:
     )
     if settings.kv_listen:
         kv += f"; listening on {settings.kv_listen} for engines that connect"
-    procs = f", {settings.processes} processes" if settings.processes > 1 else ""
+    procs = f", {settings.process_count} processes" if settings.process_count > 1 else ""
     return [
         f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",
         f"  workers: {len(specs)} ({fleet})",
         f"  policy: {settings.policy}",
         f"  kv: {kv}" + ("" if kv.startswith("off") else f"; block size {bs}; {tokens}"),
-        f"  redis: {settings.redis_url or 'no (state is local to this process)'}",
+        f"  redis: {settings.redis_url or _local_state(settings)}",
     ]
+
+
+def _local_state(settings: RouterSettings) -> str:
+    if settings.process_count > 1:
+        return f"no (its {settings.process_count} processes share state over local sockets)"
+    return "no (state is local to this process)"
 
 
 # What each of several router processes reads to build its own copy of the app.
 SETTINGS_ENV = "SWITCHYARD_ROUTER_PROCESS_SETTINGS"
 CONFIG_ENV = "SWITCHYARD_ROUTER_PROCESS_CONFIG"
-# prometheus_client's multiprocess mode: every process writes its samples here.
-METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+SIBLINGS_ENV = "SWITCHYARD_ROUTER_SIBLINGS_DIR"  # where the processes' sibling bus meets
 _M_MMAP_THRESHOLD = -3  # glibc malloc.h
 
 
 def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:
     _logging(settings)
     print("\n".join(startup_summary(settings)), file=sys.stderr, flush=True)
-    if settings.processes > 1:
+    if settings.process_count > 1:
         _run_processes(settings, config_file)
         return
     app = build_app(settings, config_file)
@@ -220,17 +240,24 @@ def drain(
 def _run_processes(settings: RouterSettings, config_file: str | Path | None) -> None:
     """Several router processes on one port, for more than one core's worth of requests.
 
-    Each process has its own fleet view, KV store and in-flight counts (shared only
-    through ``--redis``); the metrics of all of them are summed on every /metrics.
+    Each process has its own fleet view and KV store, following the engines itself. In-flight
+    counts, admin changes and placements are shared through ``--redis`` if given, else over
+    a sibling bus (``balancer.siblings``); the metrics of all of them are summed on every
+    /metrics.
     """
-    with tempfile.TemporaryDirectory(prefix="switchyard-metrics-") as metrics_dir:
-        os.environ[METRICS_DIR_ENV] = metrics_dir
+    with tempfile.TemporaryDirectory(prefix="switchyard-router-") as state_dir:
+        metrics_dir, siblings_dir = Path(state_dir, "metrics"), Path(state_dir, "siblings")
+        metrics_dir.mkdir()
+        siblings_dir.mkdir()
+        os.environ[METRICS_DIR_ENV] = str(metrics_dir)
+        if settings.redis_url is None:
+            os.environ[SIBLINGS_ENV] = str(siblings_dir)
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
         os.environ[CONFIG_ENV] = str(config_file or "")
         config = uvicorn.Config(
             "router.server:process_app",
             factory=True,
-            workers=settings.processes,
+            workers=settings.process_count,
             **_uvicorn_options(settings),
         )
         ClosingSupervisor(config, sockets=[config.bind_socket()]).run()
@@ -273,7 +300,9 @@ def process_app() -> RouterApp:
     """The app of one of several router processes (uvicorn calls this in each)."""
     settings = RouterSettings.model_validate_json(os.environ[SETTINGS_ENV])
     _logging(settings)
-    app = build_app(settings, os.environ.get(CONFIG_ENV) or None)
+    siblings_dir = os.environ.get(SIBLINGS_ENV)
+    siblings = SiblingBus(siblings_dir) if siblings_dir else None
+    app = build_app(settings, os.environ.get(CONFIG_ENV) or None, siblings)
     _drain_on_signals(app)
     _tune_gc()
     _return_large_buffers()
@@ -337,7 +366,7 @@ def graceful_window_s(settings: RouterSettings) -> float:
     """How long in-flight requests may run after the listener closes, so that the process
     exits within ``shutdown_timeout_s`` of SIGTERM (drain included), as an orchestrator's
     grace period expects. Never 0: uvicorn reads 0 as "wait for ever"."""
-    reserve = EXIT_RESERVE_S + (SUPERVISOR_RESERVE_S if settings.processes > 1 else 0.0)
+    reserve = EXIT_RESERVE_S + (SUPERVISOR_RESERVE_S if settings.process_count > 1 else 0.0)
     window = settings.shutdown_timeout_s - settings.shutdown_drain_s - reserve
     return max(window, 0.01)
 

@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from kvstore.settings import zmq_endpoint
 from router.pd.settings import PDSettings
 from switchyard.auth import tenant_keys
 from switchyard.settings import ServiceSettings
+
+
+def usable_cores(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The CPUs this process may run on, capped by its cgroup's CPU quota (a container
+    limited to 2 CPUs on a 64-core node sees all 64 in its affinity mask)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = cgroup_cpu_max.read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 class RouterSettings(ServiceSettings):
@@ -129,7 +145,11 @@ class RouterSettings(ServiceSettings):
     max_connections_per_worker: int = Field(
         default=0, ge=0, description="connection pool per worker (0: unbounded)"
     )
-    processes: int = Field(default=1, ge=1, description="router processes sharing the port")
+    processes: int | Literal["auto"] = Field(
+        default="auto",
+        description="router processes sharing the port (auto: one per core this process may "
+        "use); they share in-flight counts, admin changes and placements",
+    )
     log_level: str = Field(default="warning", description="uvicorn and router log level")
 
     # KV-aware routing: where prefix knowledge comes from.
@@ -225,6 +245,30 @@ class RouterSettings(ServiceSettings):
     def _tenant_keys(cls, value: str | None) -> str | None:
         tenant_keys(value)
         return value
+
+    @field_validator("processes")
+    @classmethod
+    def _positive_processes(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("--processes: at least 1, or auto")
+        return value
+
+    @model_validator(mode="after")
+    def _one_listener(self) -> RouterSettings:
+        if self.kv_listen and self.processes != "auto" and self.processes > 1:
+            raise ValueError(
+                f"--kv-listen binds one socket, which one of --processes {self.processes} "
+                "could hold: use --processes 1 (or auto)"
+            )
+        return self
+
+    @property
+    def process_count(self) -> int:
+        """``processes`` resolved: auto is one per core this process may use (``usable_cores``),
+        or one with ``kv_listen`` (engines connect to a single socket, which one process binds)."""
+        if self.processes == "auto":
+            return 1 if self.kv_listen else usable_cores()
+        return self.processes
 
     @field_validator("kv_listen")
     @classmethod

@@ -88,7 +88,21 @@ def test_invalid_setting_from_the_environment_names_it(
 ) -> None:
     monkeypatch.setenv("SWITCHYARD_ROUTER_PROCESSES", "0")
     line = bad(capsys, "router", *WORKER)
-    assert "processes" in line and "greater than or equal to 1" in line
+    assert "processes" in line and "at least 1, or auto" in line
+
+
+def test_processes_that_are_neither_a_count_nor_auto_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = bad(capsys, "router", *WORKER, "--processes", "many")
+    assert "processes" in line
+
+
+def test_several_processes_with_one_listening_socket_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    line = bad(capsys, "router", *WORKER, "--processes", "2", "--kv-listen", "tcp://127.0.0.1:5557")
+    assert "--kv-listen binds one socket" in line
 
 
 def test_invalid_setting_in_yaml_names_it(

@@ -6,11 +6,11 @@ from collections.abc import Iterator
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
 from balancer.view import FleetView
 from balancer.worker import Role
-from router.metrics import LabelCache
+from router.metrics import LabelCache, RouterMetrics
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -41,9 +41,9 @@ class _PoolLoad(Collector):
 
 
 class PDMetrics(LabelCache):
-    def __init__(self, registry: CollectorRegistry, fleet: FleetView) -> None:
+    def __init__(self, metrics: RouterMetrics, fleet: FleetView) -> None:
         super().__init__()
-        r = registry
+        r = metrics.registry
         self.paths = Counter(
             "switchyard_router_pd_requests",
             "Requests taken by the P/D orchestrator, by protocol and path "
@@ -86,4 +86,4 @@ class PDMetrics(LabelCache):
             ["leg", "reason"],
             registry=r,
         )
-        r.register(_PoolLoad(fleet))
+        metrics.register_live(_PoolLoad(fleet))

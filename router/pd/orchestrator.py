@@ -102,7 +102,7 @@ class PDOrchestrator:
         self.kv = kv
         self.pools = Pools(fleet, settings, has_kvstore=kv is not None)
         self.decider = Decider(settings.min_prefill_tokens)
-        self.metrics = PDMetrics(metrics.registry, fleet)
+        self.metrics = PDMetrics(metrics, fleet)
         # Streamed decode legs answer their head only once the KV is in: that head is
         # bounded by the transfer deadline (plus the prefill's own, as SGLang runs both at once).
         head_s = settings.kv_transfer_timeout_s

@@ -727,7 +727,10 @@ def exported_names(text: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    """Run a KV-aware router, a P/D router, a balancer and a kvstore against one mock engine."""
+    """Run a KV-aware router, a P/D router, a balancer and a kvstore against one mock engine.
+
+    The routers run one process each: several sum their metrics through prometheus_client's
+    multiprocess files, which hold no family that has no sample yet (the P/D ones here)."""
     mock_port, kv_port = free_port(), free_port()
     worker = f"http://127.0.0.1:{mock_port}"
     events = f"tcp://127.0.0.1:{kv_port}"
@@ -740,11 +743,12 @@ def exported() -> set[str]:
     servers = [
         Server(
             f"router --port {p[0]} -w {worker} --policy kv_aware --tokenizer {tok} "
-            f"--kv-events {worker}={events}".split(),
+            f"--kv-events {worker}={events} --processes 1".split(),
             p[0],
         ),
         Server(
-            f"router --port {p[1]} --pd-protocol vllm --prefill {dead} --decode {worker}".split(),
+            f"router --port {p[1]} --pd-protocol vllm --prefill {dead} --decode {worker} "
+            "--processes 1".split(),
             p[1],
         ),
         Server(f"balancer --port {p[2]} -w {worker}".split(), p[2]),

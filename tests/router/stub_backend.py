@@ -22,6 +22,7 @@ from tests.support import free_port
 class StubState:
     status: int = 200
     hang: bool = False
+    delay_s: float = 0.0  # before answering
     # Close the connection after this many chunks (streams) or half the body (others).
     cut_after_chunks: int | None = None
     chunk_interval_s: float = 0.05
@@ -80,6 +81,7 @@ class StubBackend:
         s.last_body = await request.read()
         if s.hang:
             await asyncio.sleep(3600)
+        await asyncio.sleep(s.delay_s)
         if s.status != 200:
             return web.json_response(
                 {"error": {"message": "stub failure", "type": "server_error", "code": s.status}},

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from balancer.siblings import SiblingBus
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
 from router.kv import EmbeddedPrefixes
 from router.scheduler.framework import Context
+from tests.balancer.fleet_stubs import eventually
 from tests.support import TOKENIZER_DIR
 
 WORDS = " ".join(f"word{i % 97} token{i % 13}" for i in range(4000))
@@ -61,3 +64,30 @@ def test_the_embedded_stores_metrics_are_served_with_the_routers() -> None:
     EmbeddedPrefixes(store).expose(registry)
     lag = {"instance": "http://engine:8000"}
     assert registry.get_sample_value("switchyard_kvstore_event_lag_seconds", lag) == 0.25
+
+
+async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -> None:
+    stores = [KVStore(block_size=16) for _ in range(2)]
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
+    sources = [EmbeddedPrefixes(s, siblings=b) for s, b in zip(stores, buses, strict=True)]
+    for bus, source in zip(buses, sources, strict=True):
+        await bus.start()
+        await source.start()
+    try:
+        await eventually(lambda: all(bus.peers == 1 for bus in buses))
+        await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
+        tokens = list(range(1000, 1128))
+        await sources[0].place(stores[0].keys_for(tokens), "a", 0, 30.0)
+
+        async def matched_on_the_other() -> int:
+            result = await stores[1].lookup(None, token_ids=tokens, candidates=["a"])
+            return sum(m.matched_tokens for m in result.matches)
+
+        deadline = asyncio.get_running_loop().time() + 3
+        while await matched_on_the_other() != 128:
+            assert asyncio.get_running_loop().time() < deadline, "placement not shared"
+            await asyncio.sleep(0.02)
+    finally:
+        for bus, source in zip(buses, sources, strict=True):
+            await source.stop()
+            await bus.stop()

@@ -61,15 +61,37 @@ def test_two_processes_serve_one_port_and_sum_their_metrics(
     assert "switchyard_router_worker_routable" in metrics
 
 
-def test_admin_changes_need_redis_when_processes_do_not_share_a_registry(
+def test_an_admin_change_reaches_every_process_without_redis(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    router = start_router(stub.url, args=("--processes", "2", *ADMIN))
+    wait_all_ready(router.url)
+    time.sleep(0.5)  # each process's bus finds the other within 0.1 s of the later start
+    added = httpx.post(router.url + "/admin/workers", json={"url": stub2.url}, headers=AUTH)
+    assert added.status_code == 201
+    time.sleep(0.5)
+    # Each GET is a fresh connection, which either process may accept: 20 in a row
+    # listing the worker leave ~1e-6 odds that one process lacks it.
+    for _ in range(20):
+        workers = httpx.get(router.url + "/admin/workers", headers=AUTH).json()["workers"]
+        assert stub2.url in {w["url"] for w in workers}
+
+
+def test_requests_in_flight_on_one_process_count_in_the_others_load(
     stub: StubBackend, start_router: StartRouter
 ) -> None:
     router = start_router(stub.url, args=("--processes", "2", *ADMIN))
-    worker = {"url": "http://127.0.0.1:1"}
-    answer = httpx.post(router.url + "/admin/workers", json=worker, headers=AUTH)
-    assert answer.status_code == 409
-    assert answer.json()["error"]["code"] == "admin_needs_redis"
-    assert httpx.get(router.url + "/admin/workers", headers=AUTH).status_code == 200
+    wait_all_ready(router.url)
+    stub.state.delay_s = 2.0
+    with ThreadPoolExecutor(4) as pool:
+        pending = [pool.submit(complete_once, router.url) for _ in range(4)]
+        time.sleep(0.8)
+        seen = []
+        for _ in range(10):
+            workers = httpx.get(router.url + "/admin/workers", headers=AUTH).json()["workers"]
+            seen.append(workers[0]["inflight"])
+        assert all(p.result() == "cmpl-stub" for p in pending)
+    assert seen == [4] * 10, "every process counts the 4 requests, wherever they run"
 
 
 def test_an_admin_change_reaches_every_router_sharing_redis(

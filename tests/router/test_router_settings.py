@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from balancer.settings import BalancerSettings
 from kvstore.memory import MemoryIndex
 from kvstore.settings import KVStoreSettings
-from router.settings import RouterSettings
+from router.settings import RouterSettings, usable_cores
 
 
 @pytest.fixture
@@ -83,6 +84,31 @@ def test_settings_survive_the_json_handed_to_router_processes() -> None:
     settings = RouterSettings.load(redis_url="redis://127.0.0.1:6379/0")
     again = RouterSettings.model_validate_json(settings.model_dump_json())
     assert again.redis_url == "redis://127.0.0.1:6379/0"
+
+
+def test_the_default_is_one_process_per_usable_core() -> None:
+    settings = RouterSettings()
+    assert settings.processes == "auto"
+    assert settings.process_count == usable_cores()
+
+
+def test_auto_is_one_process_when_engines_connect_to_one_listening_socket() -> None:
+    assert RouterSettings(kv_listen="tcp://127.0.0.1:5557").process_count == 1
+
+
+@pytest.mark.parametrize(("cpu_max", "cap"), [("200000 100000", 2), ("50000 100000", 1)])
+def test_usable_cores_are_capped_by_the_cgroup_quota(
+    tmp_path: Path, cpu_max: str, cap: int
+) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max + "\n")
+    assert usable_cores(path) == min(cap, len(os.sched_getaffinity(0)))
+
+
+def test_an_unlimited_cgroup_leaves_every_core_usable(tmp_path: Path) -> None:
+    path = tmp_path / "cpu.max"
+    path.write_text("max 100000\n")
+    assert usable_cores(path) == len(os.sched_getaffinity(0))
 
 
 def test_memory_index_and_kvstore_settings_share_one_capacity_default() -> None:

@@ -189,7 +189,7 @@ def test_several_processes_answer_ready_503_while_they_drain(
 
 
 def test_the_graceful_window_ends_a_second_before_the_timeout_counted_from_the_signal() -> None:
-    settings = RouterSettings(shutdown_timeout_s=30, shutdown_drain_s=4)
+    settings = RouterSettings(shutdown_timeout_s=30, shutdown_drain_s=4, processes=1)
     assert graceful_window_s(settings) == 30 - 4 - EXIT_RESERVE_S
 
 

@@ -1,0 +1,260 @@
+"""State shared by the processes of one router, without Redis: a ZMQ bus over ipc sockets.
+
+Under ``--processes N`` each process binds one PUB socket in a directory its supervisor
+made, and subscribes to every other socket it finds there; it looks again every
+``rescan_s``, so a process the supervisor restarts is found. What travels on it: each
+process's in-flight counts every ``sibling_sync_interval_s`` (``SiblingShare``), admin
+registry changes at once, and the router's placements (``router.kv``). Delivery is
+PUB/SUB's: a message sent before a sibling connected is not seen by it. Counts are sent
+again on every sync, and the admin registry is also kept in a file a new process loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from balancer.shared import apply_change, fold_peers, own_counts
+from balancer.worker import WorkerSpec
+
+if TYPE_CHECKING:
+    from balancer.fleet import Fleet
+
+log = logging.getLogger("switchyard.balancer.siblings")
+
+Handler = Callable[[str, bytes], Awaitable[None] | None]
+COUNTS = b"counts"
+REGISTRY = b"registry"
+
+
+class SiblingBus:
+    """One process's end of the bus: ``publish`` to all siblings, ``on`` to hear them."""
+
+    def __init__(self, directory: str | Path, rescan_s: float = 0.1) -> None:
+        self.directory = Path(directory)
+        self.instance = uuid.uuid4().hex[:12]
+        self.rescan_s = rescan_s
+        self._handlers: dict[bytes, Handler] = {}
+        self._peers: set[Path] = set()
+        self._pub: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"{self.instance}.sock"
+
+    @property
+    def peers(self) -> int:
+        return len(self._peers)
+
+    def on(self, topic: bytes, handler: Handler) -> None:
+        """Call ``handler(origin, payload)`` for each sibling message on ``topic``."""
+        self._handlers[topic] = handler
+
+    async def start(self) -> None:
+        if self._pub is not None:
+            return
+        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(f"ipc://{self.path}")
+        self._pub = pub
+        self._ctx = zmq.asyncio.Context()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._scan()
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._receive(), name="siblings:receive"),
+            loop.create_task(self._rescan(), name="siblings:rescan"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self._sub is not None:
+            self._sub.close()
+            self._sub = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._pub is not None:
+            self._pub.close()
+            self._pub = None
+            self.path.unlink(missing_ok=True)
+
+    def publish(self, topic: bytes, payload: bytes) -> None:
+        """Send to every connected sibling; never blocks (PUB drops at its high-water mark)."""
+        if self._pub is None:
+            return
+        try:
+            self._pub.send_multipart([topic, self.instance.encode(), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("sibling bus full, %s message dropped", topic.decode())
+
+    def _scan(self) -> None:
+        assert self._sub is not None
+        found = {p for p in self.directory.glob("*.sock") if p != self.path}
+        for path in found - self._peers:
+            self._sub.connect(f"ipc://{path}")
+        for path in self._peers - found:
+            try:
+                self._sub.disconnect(f"ipc://{path}")
+            except zmq.ZMQError:
+                pass
+        self._peers = found
+
+    async def _rescan(self) -> None:
+        while True:
+            await asyncio.sleep(self.rescan_s)
+            self._scan()
+
+    async def _receive(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            if len(frames) != 3:
+                continue
+            topic, origin, payload = frames
+            handler = self._handlers.get(topic)
+            if handler is None:
+                continue
+            try:
+                result = handler(origin.decode(), payload)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                log.exception("sibling %s message from %s failed", topic.decode(), origin)
+
+
+class SiblingShare:
+    """A fleet's counts and admin registry shared with the other processes of its router
+    (``FleetShare``, as ``RedisShare`` is across replicas)."""
+
+    def __init__(self, fleet: Fleet, bus: SiblingBus) -> None:
+        self.fleet = fleet
+        self.bus = bus
+        self.registry_path = bus.directory / "registry.json"
+        self._snapshots: dict[str, tuple[float, dict[str, list[list[int]]]]] = {}
+        self._applying = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def peers(self) -> int:
+        now = time.monotonic()
+        return sum(
+            1 for at, _ in self._snapshots.values() if now - at <= self.fleet.settings.lease_s
+        )
+
+    async def start(self) -> None:
+        """Load the stored registry and start syncing (the bus's owner starts and stops it)."""
+        self.bus.on(COUNTS, self._on_counts)
+        self.bus.on(REGISTRY, self._on_change)
+        for spec in self._stored_registry():
+            self._apply({"op": "add", "spec": spec})
+        self._task = asyncio.get_running_loop().create_task(self._sync_loop(), name="siblings:sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    # In-flight counts
+
+    def sync(self) -> None:
+        """Send our counts and fold in the siblings' latest ones (those within a lease)."""
+        own: dict[str, list[list[int]]] = {}
+        for (worker_id, rank), values in own_counts(self.fleet).items():
+            ranks = own.setdefault(worker_id, [])
+            ranks.extend([0, 0, 0, 0] for _ in range(rank + 1 - len(ranks)))
+            ranks[rank] = list(values)
+        self.bus.publish(COUNTS, orjson.dumps(own))
+        now = time.monotonic()
+        lease = self.fleet.settings.lease_s
+        totals: dict[tuple[str, int], list[int]] = {}
+        for origin, (at, counts) in list(self._snapshots.items()):
+            if now - at > lease:
+                del self._snapshots[origin]
+                continue
+            for worker_id, per_rank in counts.items():
+                for rank, sums in enumerate(per_rank):
+                    acc = totals.setdefault((worker_id, rank), [0, 0, 0, 0])
+                    for i, n in enumerate(sums):
+                        acc[i] += n
+        fold_peers(self.fleet, totals)
+
+    def _on_counts(self, origin: str, payload: bytes) -> None:
+        self._snapshots[origin] = (time.monotonic(), orjson.loads(payload))
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.fleet.settings.sibling_sync_interval_s)
+            self.sync()
+
+    # Registry broadcast
+
+    def publish_add(self, spec: WorkerSpec) -> None:
+        self._send({"op": "add", "spec": spec.to_dict()})
+
+    def publish_remove(self, worker_id: str) -> None:
+        self._send({"op": "remove", "id": worker_id})
+
+    def publish_drain(self, worker_id: str) -> None:
+        self._send({"op": "drain", "id": worker_id})
+
+    def publish_undrain(self, spec: WorkerSpec) -> None:
+        self._send({"op": "undrain", "id": spec.url})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._applying:
+            return
+        self.bus.publish(REGISTRY, orjson.dumps(message))
+        self._store_registry()
+
+    def _on_change(self, origin: str, payload: bytes) -> None:
+        try:
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return
+        self._apply(data)
+        self._store_registry()
+
+    def _apply(self, data: dict[str, Any]) -> None:
+        self._applying = True
+        try:
+            apply_change(self.fleet, data)
+        finally:
+            self._applying = False
+
+    def _store_registry(self) -> None:
+        """The admin workers that take requests, for a process that starts later (every
+        process writes it after every change, so the last write holds all of them)."""
+        registry = [
+            w.spec.to_dict() for w in self.fleet.workers() if w.source == "admin" and not w.draining
+        ]
+        tmp = self.registry_path.with_name(f".registry-{self.bus.instance}.json")
+        tmp.write_bytes(orjson.dumps(registry))
+        os.replace(tmp, self.registry_path)
+
+    def _stored_registry(self) -> list[dict[str, Any]]:
+        try:
+            stored = orjson.loads(self.registry_path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            return []
+        return stored if isinstance(stored, list) else []

@@ -1,0 +1,114 @@
+"""The processes of one router share counts and admin changes over the sibling bus."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from balancer.siblings import SiblingBus, SiblingShare
+from tests.balancer.fleet_stubs import StubFactory, eventually
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@asynccontextmanager
+async def sibling(directory: Path, *specs: str) -> AsyncIterator[Fleet]:
+    """A started fleet on the bus in ``directory``, as one process of a router runs it."""
+    settings = BalancerSettings(sibling_sync_interval_s=0.02, lease_s=0.5)
+    fleet = Fleet(settings, [WorkerSpec.parse(s) for s in specs])
+    bus = SiblingBus(directory, rescan_s=0.05)
+    fleet.share_with_siblings(SiblingShare(fleet, bus))
+    await bus.start()
+    await fleet.start()
+    try:
+        yield fleet
+    finally:
+        await fleet.stop()
+        await bus.stop()
+
+
+async def test_a_siblings_rank_counts_add_to_the_local_view(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};dp=2;models=m"
+    async with sibling(tmp_path, spec) as a, sibling(tmp_path, spec) as b:
+        wa, wb = a.workers()[0], b.workers()[0]
+        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+        ticket = a.begin(wa, prompt_tokens=700, dp_rank=1)
+        await eventually(lambda: wb.inflight == 1)
+        assert wb.local_inflight == 0
+        assert wb.rank_loads()[1].prefill_tokens == 700
+        assert b.choose_rank(wb, prompt_tokens=10) == 0, "b avoids the rank a loaded"
+        a.end(ticket, Outcome.SUCCESS)
+        await eventually(lambda: wb.inflight == 0)
+
+
+async def test_a_stopped_siblings_counts_vanish_after_its_lease(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with sibling(tmp_path, spec) as b:
+        wb = b.workers()[0]
+        async with sibling(tmp_path, spec) as a:
+            a.begin(a.workers()[0])
+            await eventually(lambda: wb.inflight == 1)
+        await eventually(lambda: wb.inflight == 0, timeout=5)
+
+
+async def test_an_admin_change_reaches_the_other_process(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    async with sibling(tmp_path) as a, sibling(tmp_path) as b:
+        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+        a.add(WorkerSpec.parse(f"{stub.url};models=m"), source="admin")
+        await eventually(lambda: b.get(stub.url) is not None)
+        b.drain(stub.url)
+        await eventually(lambda: a.candidates("m") == [])
+        b.undrain(stub.url)
+        await eventually(lambda: [w.id for w in a.candidates("m")] == [stub.url])
+
+
+async def test_a_process_started_later_loads_the_admin_workers(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    async with sibling(tmp_path) as a:
+        a.add(WorkerSpec.parse(f"{stub.url};models=m"), source="admin")
+        async with sibling(tmp_path) as late:
+            assert [w.id for w in late.workers()] == [stub.url]
+
+
+async def test_a_removed_worker_is_gone_for_a_process_started_later(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    async with sibling(tmp_path) as a:
+        a.add(WorkerSpec.parse(f"{stub.url};models=m"), source="admin")
+        a.remove(stub.url)
+        async with sibling(tmp_path) as late:
+            assert late.workers() == []
+
+
+async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
+    heard: dict[str, list[bytes]] = {"b": [], "c": []}
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(3)]
+    buses[1].on(b"t", lambda origin, payload: heard["b"].append(payload))
+    buses[2].on(b"t", lambda origin, payload: heard["c"].append(payload))
+    for bus in buses:
+        await bus.start()
+    try:
+        await eventually(lambda: all(bus.peers == 2 for bus in buses))
+        await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
+        buses[0].publish(b"t", b"hello")
+        await eventually(lambda: heard == {"b": [b"hello"], "c": [b"hello"]})
+    finally:
+        for bus in buses:
+            await bus.stop()
