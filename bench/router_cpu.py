@@ -8,12 +8,14 @@ and the clients' TTFT. ``--micro`` instead times the scheduling lookup per turn 
 process, with the message cache on and off, alternating; ``--ingest`` times KV-event
 batches applied by the store (each one holds the event loop while it runs); ``--idle``
 prints each router's CPU with no traffic (probes, scrapes, event feeds), which every
-replay's CPU-seconds include. Usage::
+replay's CPU-seconds include; ``--siblings`` what the bus between a router's processes
+costs per counts sync and per shared placement. Usage::
 
     python -m bench.router_cpu [multiturn mooncake] [--requests 300] [--repeats 2]
     python -m bench.router_cpu --idle [--idle-s 20]
     python -m bench.router_cpu --micro [--requests 600]
     python -m bench.router_cpu --ingest [--requests 2000]
+    python -m bench.router_cpu --siblings [--requests 300]
 
 The fixed-backend figure is ``bench.overhead``'s.
 """
@@ -298,6 +300,65 @@ def ingest_bench(args: argparse.Namespace) -> None:
         )
 
 
+async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[float, float]:
+    """CPU seconds per counts sync (send ours, fold a sibling's, ``workers`` all busy) and
+    per placement of a 2,000-token prompt shared (publish, receive, record), two processes'
+    ends of the bus in this one."""
+    import tempfile
+
+    from balancer import BalancerSettings, Fleet, WorkerSpec
+    from balancer.siblings import SiblingBus, SiblingShare
+    from kvstore.store import KVStore
+    from router.kv import EmbeddedPrefixes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        specs = [WorkerSpec.parse(f"http://10.0.{i // 250}.{i % 250}:8000") for i in range(workers)]
+        fleets = [Fleet(BalancerSettings(sibling_sync_interval_s=3600), specs) for _ in range(2)]
+        buses = [SiblingBus(tmp) for _ in range(2)]
+        shares = [SiblingShare(f, b) for f, b in zip(fleets, buses, strict=True)]
+        stores = [KVStore(block_size=16) for _ in range(2)]
+        sources = [EmbeddedPrefixes(s, siblings=b) for s, b in zip(stores, buses, strict=True)]
+        for bus, share, source in zip(buses, shares, sources, strict=True):
+            await bus.start()
+            await share.start()
+            await source.start()
+        for fleet in fleets:
+            for worker in fleet.workers():
+                fleet.begin(worker, prompt_tokens=100)
+        await asyncio.sleep(0.5)  # the SUB sockets connect
+        t0 = time.process_time()
+        for _ in range(syncs):
+            for share in shares:
+                share.sync()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.05)
+        per_sync = (time.process_time() - t0) / (2 * syncs)
+        keys = stores[0].keys_for(list(range(2000)))
+        t0 = time.process_time()
+        for n in range(placements):
+            await sources[0].place(keys, f"http://engine-{n % 8}:8000", 0, 30.0)
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        per_place = (time.process_time() - t0) / placements
+        for bus, share, source in zip(buses, shares, sources, strict=True):
+            await source.stop()
+            await share.stop()
+            await bus.stop()
+    return per_sync, per_place
+
+
+def siblings_bench(args: argparse.Namespace) -> None:
+    """What sharing state between a router's processes costs (the sibling bus)."""
+    for workers in (8, 400):
+        per_sync, per_place = asyncio.run(_sibling_costs(workers, 500, args.requests))
+        print(
+            f"{workers:>3} workers: {per_sync * 1e6:.0f} us CPU per counts sync and process "
+            f"({per_sync * 50 * 100:.2f}% of a core at 50 syncs/s); "
+            f"{per_place * 1e6:.0f} us per 2,000-token placement shared (both ends, "
+            "recorded locally too)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.router_cpu", description=__doc__.split("\n")[0]
@@ -312,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", action="store_true", help="schedule lookup per turn, in-process")
     ap.add_argument("--ingest", action="store_true", help="KV-event ingestion cost, in-process")
     ap.add_argument("--idle", action="store_true", help="each router's CPU with no traffic")
+    ap.add_argument("--siblings", action="store_true", help="sharing between processes, in-process")
     ap.add_argument("--idle-s", type=float, default=20.0, help="seconds measured with --idle")
     args = ap.parse_args(argv)
     bad = [w for w in args.workloads if w not in ("multiturn", "mooncake")]
@@ -325,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         ingest_bench(args)
     elif args.micro:
         micro_bench(args)
+    elif args.siblings:
+        siblings_bench(args)
     else:
         replay_bench(args)
     return 0

@@ -26,11 +26,20 @@ class KVStoreMetrics:
             p + "instance_clears", "Instance/rank clears", ["instance", "reason"], registry=r
         )
         self.decode_errors = Counter(p + "decode_errors", "Undecodable event frames", registry=r)
+        # Under the router's --processes each process keeps its own store: its gauges show
+        # one value (the largest) rather than one series per process.
         self.lag = Gauge(
-            p + "event_lag_seconds", "Now minus the last batch timestamp", ["instance"], registry=r
+            p + "event_lag_seconds",
+            "Now minus the last batch timestamp",
+            ["instance"],
+            registry=r,
+            multiprocess_mode="max",
         )
         self.index_blocks = Gauge(
-            p + "index_blocks", "Indexed (block, location) entries", registry=r
+            p + "index_blocks",
+            "Indexed (block, location) entries",
+            registry=r,
+            multiprocess_mode="max",
         )
         self.lookups = Counter(p + "lookups", "Lookups answered", ["outcome"], registry=r)
         self.lookup_seconds = Histogram(
@@ -45,7 +54,12 @@ class KVStoreMetrics:
             buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5),
             registry=r,
         )
-        self.degraded = Gauge(p + "degraded", "1 while the backend is unreachable", registry=r)
+        self.degraded = Gauge(
+            p + "degraded",
+            "1 while the backend is unreachable",
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.degraded_incidents = Counter(
             p + "degraded_incidents", "Times the backend became unreachable", registry=r
         )

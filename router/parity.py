@@ -323,6 +323,7 @@ class ParityMonitor:
             "(1 verified by a canary, 0 mismatch; absent until checked).",
             ["worker"],
             registry=registry,
+            multiprocess_mode="min",  # under --processes: 0 if any process saw a mismatch
         )
         self._next: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None

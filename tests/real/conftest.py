@@ -124,6 +124,11 @@ def start_router(
     # No parity canaries: these tests count the engines' own requests and cached tokens
     # (tests/real/test_parity.py and test_zero_config.py run routers with the check on).
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", "--no-kv-parity"]
+    # One process unless asked: a process that starts after /ready answered (from its
+    # sibling) misses the events of the first request, and these tests compare each
+    # request's prediction with the engine. test_zero_config.py runs the default command.
+    if "--processes" not in extra:
+        argv += ["--processes", "1"]
     argv += list(extra)
     for e in engines:
         argv += ["--worker", e.url + (f";dp={e.dp_size}" if e.dp_size > 1 else "")]
