@@ -396,7 +396,7 @@ class KVStore:
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
         feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
-        sub = Subscriber(self._ctx, feed, self._on_frame)
+        sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up)
         self._subscribers[endpoint] = sub
         if self._started:
             sub.start()
@@ -489,6 +489,28 @@ class KVStore:
             raise
         await self._apply(feed, batch)
         feed.last_seq = seq
+
+    async def _catch_up(self, feed: Feed) -> None:
+        """Learn what a running engine already holds before following it live.
+
+        A subscriber that starts after the engine (a router process started after its
+        siblings, a router restarted in front of running engines) otherwise knows none of
+        the blocks announced before it. The publisher's replay socket still buffers its
+        recent batches (vLLM keeps 10,000 steps by default): ask from sequence 0 and apply
+        what comes back. Live frames the replay already covered are then duplicates."""
+        if feed.replay_endpoint is None or self._ctx is None or feed.last_seq is not None:
+            return
+        got = await request_replay(self._ctx, feed.replay_endpoint, 0, self.replay_timeout_s)
+        if not got or feed.last_seq is not None:
+            return
+        for rseq, payload in got:
+            try:
+                await self._apply(feed, decode_batch(payload))
+            except EventDecodeError:
+                self.metrics.decode_errors.inc()
+            feed.last_seq = rseq
+        feed.dup_floor = got[0][0] - 1
+        log.info("%s: caught up on %d buffered event batches", feed.instance, len(got))
 
     async def _handle_gap(self, feed: Feed, seq: int) -> None:
         assert feed.last_seq is not None

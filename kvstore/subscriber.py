@@ -22,6 +22,7 @@ from kvstore.feed import Feed
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
 Handler = Callable[[Feed, int, bytes], Awaitable[None]]
+CatchUp = Callable[[Feed], Awaitable[None]]
 
 
 async def request_replay(
@@ -49,10 +50,19 @@ async def request_replay(
 
 
 class Subscriber:
-    def __init__(self, ctx: zmq.asyncio.Context, feed: Feed, on_frame: Handler) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        feed: Feed,
+        on_frame: Handler,
+        catch_up: CatchUp | None = None,
+    ) -> None:
+        """``catch_up`` runs once the SUB socket is connected, before live frames are read
+        (what arrives meanwhile waits in the socket)."""
         self._ctx = ctx
         self.feed = feed
         self._on_frame = on_frame
+        self._catch_up = catch_up
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -75,6 +85,11 @@ class Subscriber:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(self.feed.endpoint)
         try:
+            if self._catch_up is not None:
+                try:
+                    await self._catch_up(self.feed)
+                except Exception:
+                    log.exception("%s: catching up failed", self.feed.instance)
             while True:
                 frames = await sock.recv_multipart()
                 if len(frames) < 2:

@@ -139,6 +139,32 @@ async def test_a_store_that_joins_late_converges_on_new_prefixes(store: KVStore)
         pub.close()
 
 
+async def test_a_store_that_joins_late_learns_the_buffered_blocks_by_replay(
+    store: KVStore,
+) -> None:
+    pub = publisher(replay=True)
+    try:
+        pub.publish(stored(TOKENS[:32], [11, 12]))  # before the store listens
+        pub.publish(stored(TOKENS[32:], [13], parent=12))
+        pub.publish(KVEventBatch(time.time(), [BlockRemoved([13])]))
+        await asyncio.sleep(0.05)
+        store.subscribe(E, pub.endpoint, replay_endpoint=pub.replay_endpoint)
+
+        async def two_blocks() -> bool:
+            return await matched(store) == 32
+
+        await eventually(two_blocks)
+        await joined(store, pub)  # live frames follow the replayed ones
+        assert await matched(store) == 32
+        reg = store.metrics.registry
+        assert reg.get_sample_value("switchyard_kvstore_sequence_gaps_total", {"instance": E}) in (
+            None,
+            0,
+        )
+    finally:
+        pub.close()
+
+
 async def test_a_gap_without_replay_clears_the_instance(store: KVStore) -> None:
     pub = publisher()
     other = list(range(500, 516))

@@ -104,6 +104,30 @@ def test_worker_urls_alone_route_each_conversation_to_the_engine_that_holds_it(
             assert len(served) == 1
 
 
+def test_a_router_started_after_a_chat_routes_its_repeat_to_the_engine_that_holds_it(
+    pair: list[VllmEngine],
+) -> None:
+    reset_caches(pair)
+    holder = pair[1]
+    content = "Before the router started: lighthouses, tides and charts. " * 40
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    first = httpx.post(holder.url + "/v1/chat/completions", json=body, timeout=120)
+    assert first.status_code == 200, first.text
+    prompt_blocks = first.json()["usage"]["prompt_tokens"] // BLOCK_SIZE
+    time.sleep(1.0)  # the engine publishes its events after the step
+    with zero_config_router([e.url for e in pair]) as router:
+        # Caught up from the engine's replay buffer, not from live events.
+        wait_stored(router, 0, prompt_blocks)
+        before = counters(router)
+        again = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
+        assert again.status_code == 200, again.text
+        assert again.headers["x-switchyard-worker"] == holder.url
+        cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        predicted = counters(router)[0] - before[0]
+        assert cached >= BLOCK_SIZE * (prompt_blocks - 1)
+        assert abs(predicted - cached) <= BLOCK_SIZE
+
+
 def test_a_kvstore_given_worker_urls_indexes_their_events_in_the_engines_block_size(
     pair: list[VllmEngine], tmp_path: Path
 ) -> None:
