@@ -150,16 +150,19 @@ class SiblingShare:
         self.fleet = fleet
         self.bus = bus
         self.registry_path = bus.directory / "registry.json"
-        self._snapshots: dict[str, tuple[float, dict[str, list[list[int]]]]] = {}
+        # Per sibling: when its counts last came, as sent, and parsed.
+        self._snapshots: dict[str, tuple[float, bytes, dict[str, list[list[int]]]]] = {}
+        self._changed = False
+        self._sent = b""
+        self._sent_at = float("-inf")
         self._applying = False
         self._task: asyncio.Task[None] | None = None
 
     @property
     def peers(self) -> int:
         now = time.monotonic()
-        return sum(
-            1 for at, _ in self._snapshots.values() if now - at <= self.fleet.settings.lease_s
-        )
+        lease = self.fleet.settings.lease_s
+        return sum(1 for snapshot in self._snapshots.values() if now - snapshot[0] <= lease)
 
     async def start(self) -> None:
         """Load the stored registry and start syncing (the bus's owner starts and stops it)."""
@@ -178,20 +181,31 @@ class SiblingShare:
     # In-flight counts
 
     def sync(self) -> None:
-        """Send our counts and fold in the siblings' latest ones (those within a lease)."""
+        """Send our counts and fold in the siblings' latest ones (those within a lease).
+
+        Unchanged counts are sent again only every third of a lease (a keep-alive), and
+        the fold runs only when a sibling's counts changed or expired: an idle router's
+        processes then do almost nothing. 2026-12-01, ``bench.router_cpu --siblings``
+        before this: 40 us per sync with 8 workers, 1.6 ms with 400 (all busy)."""
+        now = time.monotonic()
+        lease = self.fleet.settings.lease_s
         own: dict[str, list[list[int]]] = {}
         for (worker_id, rank), values in own_counts(self.fleet).items():
             ranks = own.setdefault(worker_id, [])
             ranks.extend([0, 0, 0, 0] for _ in range(rank + 1 - len(ranks)))
             ranks[rank] = list(values)
-        self.bus.publish(COUNTS, orjson.dumps(own))
-        now = time.monotonic()
-        lease = self.fleet.settings.lease_s
+        payload = orjson.dumps(own)
+        if payload != self._sent or now - self._sent_at >= lease / 3:
+            self.bus.publish(COUNTS, payload)
+            self._sent, self._sent_at = payload, now
+        expired = [o for o, snapshot in self._snapshots.items() if now - snapshot[0] > lease]
+        for origin in expired:
+            del self._snapshots[origin]
+        if not (self._changed or expired):
+            return
+        self._changed = False
         totals: dict[tuple[str, int], list[int]] = {}
-        for origin, (at, counts) in list(self._snapshots.items()):
-            if now - at > lease:
-                del self._snapshots[origin]
-                continue
+        for _, _, counts in self._snapshots.values():
             for worker_id, per_rank in counts.items():
                 for rank, sums in enumerate(per_rank):
                     acc = totals.setdefault((worker_id, rank), [0, 0, 0, 0])
@@ -200,7 +214,12 @@ class SiblingShare:
         fold_peers(self.fleet, totals)
 
     def _on_counts(self, origin: str, payload: bytes) -> None:
-        self._snapshots[origin] = (time.monotonic(), orjson.loads(payload))
+        previous = self._snapshots.get(origin)
+        if previous is not None and previous[1] == payload:
+            self._snapshots[origin] = (time.monotonic(), payload, previous[2])
+            return
+        self._snapshots[origin] = (time.monotonic(), payload, orjson.loads(payload))
+        self._changed = True
 
     async def _sync_loop(self) -> None:
         while True:

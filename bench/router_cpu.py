@@ -300,10 +300,10 @@ def ingest_bench(args: argparse.Namespace) -> None:
         )
 
 
-async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[float, float]:
-    """CPU seconds per counts sync (send ours, fold a sibling's, ``workers`` all busy) and
-    per placement of a 2,000-token prompt shared (publish, receive, record), two processes'
-    ends of the bus in this one."""
+async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[list[float], float]:
+    """CPU seconds per counts sync (send ours, fold a sibling's, ``workers`` all busy), with
+    counts changing between syncs and unchanged, and per placement of a 2,000-token prompt
+    shared (publish, receive, record): two processes' ends of the bus in this one."""
     import tempfile
 
     from balancer import BalancerSettings, Fleet, WorkerSpec
@@ -326,13 +326,17 @@ async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[flo
             for worker in fleet.workers():
                 fleet.begin(worker, prompt_tokens=100)
         await asyncio.sleep(0.5)  # the SUB sockets connect
-        t0 = time.process_time()
-        for _ in range(syncs):
-            for share in shares:
-                share.sync()
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.05)
-        per_sync = (time.process_time() - t0) / (2 * syncs)
+        per_sync: list[float] = []
+        for changing in (True, False):
+            t0 = time.process_time()
+            for n in range(syncs):
+                for fleet, share in zip(fleets, shares, strict=True):
+                    if changing:  # a request starts on some worker between two syncs
+                        fleet.begin(fleet.workers()[n % workers], prompt_tokens=10)
+                    share.sync()
+                await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
+            per_sync.append((time.process_time() - t0) / (2 * syncs))
         keys = stores[0].keys_for(list(range(2000)))
         t0 = time.process_time()
         for n in range(placements):
@@ -350,12 +354,12 @@ async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[flo
 def siblings_bench(args: argparse.Namespace) -> None:
     """What sharing state between a router's processes costs (the sibling bus)."""
     for workers in (8, 400):
-        per_sync, per_place = asyncio.run(_sibling_costs(workers, 500, args.requests))
+        (changing, still), per_place = asyncio.run(_sibling_costs(workers, 500, args.requests))
         print(
-            f"{workers:>3} workers: {per_sync * 1e6:.0f} us CPU per counts sync and process "
-            f"({per_sync * 50 * 100:.2f}% of a core at 50 syncs/s); "
-            f"{per_place * 1e6:.0f} us per 2,000-token placement shared (both ends, "
-            "recorded locally too)"
+            f"{workers:>3} workers: per counts sync and process {changing * 1e6:.0f} us CPU "
+            f"when they changed ({changing * 50 * 100:.2f}% of a core at 50 syncs/s), "
+            f"{still * 1e6:.0f} us when not; {per_place * 1e6:.0f} us per 2,000-token "
+            "placement shared (both ends, recorded locally too)"
         )
 
 
