@@ -79,6 +79,8 @@ class Fleet:
             return
         self._prober = Prober(self)
         await self._prober.start()
+        # A probe and a model list, each within the probe timeout.
+        await self._prober.first_look(2 * self.settings.probe_timeout_s)
         s = self.settings
         self.shared = RedisShare(self, s.redis_url) if s.redis_url else self._siblings
         if self.shared is not None:

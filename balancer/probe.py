@@ -21,6 +21,7 @@ of the prober are in flight at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -62,6 +63,7 @@ class Prober:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
+        self._looked: dict[str, asyncio.Event] = {}  # set after a worker's first probe
         self._probe_asked: set[str] = set()
         self._rng = random.Random()
         self._slots = asyncio.Semaphore(_MAX_CONNECTIONS)
@@ -79,6 +81,7 @@ class Prober:
         tasks = list(self._tasks.values())
         self._tasks.clear()
         self._wake.clear()
+        self._looked.clear()
         self._probe_asked.clear()
         for task in tasks:
             task.cancel()
@@ -87,8 +90,20 @@ class Prober:
             await self._session.close()
             self._session = None
 
+    async def first_look(self, timeout_s: float) -> None:
+        """Until every watched worker has been probed once and, if it answered, asked for
+        its models (or ``timeout_s``): a router process that took requests before it knew
+        its workers' models answered them 503 (2026-12-01, the second of two processes,
+        started a moment after the first had answered /ready)."""
+        looked = [event.wait() for event in self._looked.values()]
+        if looked:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.gather(*looked)
+
     def watch(self, worker: Worker) -> None:
         """Start the worker's loop (a newly registered worker)."""
+        self._looked[worker.id] = asyncio.Event()
         self._wake[worker.id] = asyncio.Event()
         self._tasks[worker.id] = asyncio.get_running_loop().create_task(
             self._loop(worker), name=f"balancer:{worker.id}"
@@ -100,6 +115,7 @@ class Prober:
         if task is not None:
             task.cancel()
         self._wake.pop(worker_id, None)
+        self._looked.pop(worker_id, None)
         self._probe_asked.discard(worker_id)
 
     def wake(self, worker: Worker) -> None:
@@ -124,6 +140,7 @@ class Prober:
         last_probe = last_scrape = float("-inf")
         interval = s.probe_interval_s
         event = self._wake[worker.id]
+        looked = self._looked[worker.id]
         while True:
             now = time.monotonic()
             if event.is_set():
@@ -151,6 +168,7 @@ class Prober:
                 next_models = time.monotonic() + (
                     s.model_refresh_interval_s if worker.models else s.probe_interval_s
                 )
+            looked.set()
             if worker.healthy and now >= next_scrape:
                 await self._scrape(worker)
                 last_scrape = time.monotonic()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import aiohttp
 import pytest
@@ -333,3 +335,30 @@ async def test_ejected_worker_returns_after_ejection_time_with_slow_start(
         assert worker.load().weight < 0.5, "a returning worker ramps up again"
     finally:
         await fleet.stop()
+
+
+async def test_a_started_fleet_knows_its_workers_models(stub_engine: StubFactory) -> None:
+    stub = await stub_engine(models=("served-model",))
+    fleet = Fleet(BalancerSettings(), [WorkerSpec.parse(stub.url)])
+    await fleet.start()
+    try:
+        assert [w.id for w in fleet.candidates("served-model")] == [stub.url]
+    finally:
+        await fleet.stop()
+
+
+async def test_a_worker_that_does_not_answer_delays_the_start_by_its_probe_timeouts_at_most(
+    stub_engine: StubFactory,
+) -> None:
+    unanswered = socket.socket()
+    unanswered.bind(("127.0.0.1", 0))
+    unanswered.listen()  # accepts connections, never answers
+    url = f"http://127.0.0.1:{unanswered.getsockname()[1]}"
+    fleet = Fleet(BalancerSettings(probe_timeout_s=0.3), [WorkerSpec.parse(url)])
+    started = time.monotonic()
+    try:
+        await fleet.start()
+        assert time.monotonic() - started < 0.3 * 2 + 0.5
+    finally:
+        await fleet.stop()
+        unanswered.close()
