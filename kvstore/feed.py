@@ -49,6 +49,7 @@ class Feed:
         self.last_ts: float | None = None
         self.gaps = 0
         self.replays = 0
+        self.catching_up = False  # replaying what the publisher buffered before we joined
         # Sequence numbers in (dup_floor, last_seq] were already applied by a replay.
         self.dup_floor: int | None = None
         # Orders this publisher's updates with a rewrite of its entries after an outage.

@@ -40,6 +40,9 @@ log = logging.getLogger("switchyard.kvstore")
 T = TypeVar("T")
 
 DEFAULT_SPECULATIVE_TTL_S = 30.0
+# A catch-up replay (up to vLLM's 10,000 buffered batches) lets the event loop run between
+# this many batches, so a router starting in front of busy engines answers meanwhile.
+CATCH_UP_BATCHES_PER_YIELD = 64
 
 
 @dataclass
@@ -500,17 +503,27 @@ class KVStore:
         what comes back. Live frames the replay already covered are then duplicates."""
         if feed.replay_endpoint is None or self._ctx is None or feed.last_seq is not None:
             return
-        got = await request_replay(self._ctx, feed.replay_endpoint, 0, self.replay_timeout_s)
-        if not got or feed.last_seq is not None:
-            return
-        for rseq, payload in got:
-            try:
-                await self._apply(feed, decode_batch(payload))
-            except EventDecodeError:
-                self.metrics.decode_errors.inc()
-            feed.last_seq = rseq
-        feed.dup_floor = got[0][0] - 1
-        log.info("%s: caught up on %d buffered event batches", feed.instance, len(got))
+        feed.catching_up = True
+        try:
+            got = await request_replay(self._ctx, feed.replay_endpoint, 0, self.replay_timeout_s)
+            if not got or feed.last_seq is not None:
+                return
+            for n, (rseq, payload) in enumerate(got, 1):
+                try:
+                    await self._apply(feed, decode_batch(payload))
+                except EventDecodeError:
+                    self.metrics.decode_errors.inc()
+                feed.last_seq = rseq
+                if n % CATCH_UP_BATCHES_PER_YIELD == 0:
+                    await asyncio.sleep(0)  # requests go on being served meanwhile
+            feed.dup_floor = got[0][0] - 1
+            log.info("%s: caught up on %d buffered event batches", feed.instance, len(got))
+        finally:
+            feed.catching_up = False
+
+    def catching_up(self, instance: str) -> bool:
+        """Whether a feed of ``instance`` is still replaying what it missed before joining."""
+        return any(feed.catching_up for feed in self.feeds_of(instance))
 
     async def _handle_gap(self, feed: Feed, seq: int) -> None:
         assert feed.last_seq is not None

@@ -313,6 +313,7 @@ class ParityMonitor:
         interval_s: float,
         checker: ParityChecker | None = None,
     ) -> None:
+        self.store = store
         self.fleet = fleet
         self.interval_s = interval_s
         self.checker = checker or ParityChecker(store)
@@ -348,13 +349,15 @@ class ParityMonitor:
                 await asyncio.sleep(1.0)
 
     def _due(self, worker: Any, now: float) -> bool:
-        """Unified workers that are up and serve a model; P/D pools are not sent canaries
-        (a plain request is not what their KV connector expects)."""
+        """Unified workers that are up, serve a model and whose events are followed live
+        (not still being replayed); P/D pools are not sent canaries (a plain request is not
+        what their KV connector expects)."""
         return (
             str(worker.role) == "unified"
             and worker.healthy
             and bool(worker.models)
             and self._next.get(worker.id, 0.0) <= now
+            and not self.store.catching_up(worker.id)
         )
 
     async def check(self, session: aiohttp.ClientSession, worker: Any) -> ParityResult:

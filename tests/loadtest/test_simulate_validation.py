@@ -43,7 +43,12 @@ def within(sim: float | None, http: float | None, rel: float, floor: float = 0.0
 
 
 @pytest.mark.timeout(300)
-def test_simulation_matches_a_real_clock_http_run_of_the_same_workload() -> None:
+def test_simulation_matches_a_real_clock_http_run_of_the_same_workload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The simulator runs one router: so does the HTTP run (by default it has one process
+    # per core, each taking its own round-robin turns).
+    monkeypatch.setenv("SWITCHYARD_ROUTER_PROCESSES", "1")
     http = compare(
         CompareConfig(
             engines=ENGINES,
