@@ -259,6 +259,8 @@ class Fleet:
         worker.inflight += 1
         worker.local_inflight += 1
         worker.sent_since_scrape += 1
+        if self.shared is not None:
+            self.shared.changed(worker)
         return Ticket(
             worker,
             rank,
@@ -280,6 +282,8 @@ class Fleet:
             counters.prefill_tokens -= ticket.prefill_tokens
             counters.decode_seqs += 1
             counters.decode_tokens += n
+        if self.shared is not None:
+            self.shared.changed(worker)
 
     def progress(self, ticket: Ticket, generated_tokens: int) -> None:
         """Optional: output tokens so far, so decode context (what a step attends) grows.
@@ -312,6 +316,8 @@ class Fleet:
                 counters.prefill_tokens -= ticket.prefill_tokens
         worker.inflight -= 1
         worker.local_inflight -= 1
+        if self.shared is not None:
+            self.shared.changed(worker)
         self._record_outcome(worker, ticket.trial, Outcome(outcome))
         if worker.remove_when_idle and worker.local_inflight == 0 and worker.id in self._workers:
             self.remove(worker.id, broadcast=False)

@@ -23,7 +23,7 @@ import orjson
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from balancer.worker import RankCounters, WorkerSpec
+from balancer.worker import RankCounters, Worker, WorkerSpec
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -55,6 +55,9 @@ class FleetShare(Protocol):
 
     async def stop(self) -> None: ...
 
+    def changed(self, worker: Worker) -> None:
+        """A request began, reached its first token or ended on ``worker``."""
+
     def publish_add(self, spec: WorkerSpec) -> None: ...
 
     def publish_remove(self, worker_id: str) -> None: ...
@@ -78,13 +81,18 @@ def own_counts(fleet: Fleet) -> dict[tuple[str, int], tuple[int, int, int, int]]
 def fold_peers(fleet: Fleet, totals: dict[tuple[str, int], list[int]]) -> None:
     """Make the peers' summed counts per (worker, rank) the remote part of every worker."""
     for worker in fleet.workers():
-        summed = [0, 0, 0, 0]
-        for rank, counters in enumerate(worker.ranks):
-            values = totals.get((worker.id, rank), (0, 0, 0, 0))
-            set_remote(counters, values)
-            summed = [a + b for a, b in zip(summed, values, strict=True)]
-        set_remote(worker.totals, summed)
-        worker.inflight = worker.local_inflight + summed[0]
+        ranks = range(len(worker.ranks))
+        fold_worker(worker, [totals.get((worker.id, r), (0, 0, 0, 0)) for r in ranks])
+
+
+def fold_worker(worker: Worker, per_rank: Sequence[Sequence[int]]) -> None:
+    """Make ``per_rank`` (the peers' summed counts of each rank) the worker's remote part."""
+    summed = [0, 0, 0, 0]
+    for counters, values in zip(worker.ranks, per_rank, strict=False):
+        set_remote(counters, values)
+        summed = [a + b for a, b in zip(summed, values, strict=True)]
+    set_remote(worker.totals, summed)
+    worker.inflight = worker.local_inflight + summed[0]
 
 
 def apply_change(fleet: Fleet, data: dict[str, Any]) -> None:
@@ -163,6 +171,10 @@ class RedisShare:
         await self.redis.aclose()
 
     # In-flight counts
+
+    def changed(self, worker: Worker) -> None:
+        """Nothing: counts reach Redis on the next sync (a round trip per request would
+        cost more than it saves across replicas)."""
 
     def _own_counts(self) -> dict[FieldT, EncodableT]:
         return {

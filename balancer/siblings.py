@@ -25,8 +25,8 @@ import orjson
 import zmq
 import zmq.asyncio
 
-from balancer.shared import apply_change, fold_peers, own_counts
-from balancer.worker import WorkerSpec
+from balancer.shared import apply_change, fold_peers, fold_worker, own_counts
+from balancer.worker import Worker, WorkerSpec
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -35,6 +35,7 @@ log = logging.getLogger("switchyard.balancer.siblings")
 
 Handler = Callable[[str, bytes], Awaitable[None] | None]
 COUNTS = b"counts"
+WORKER = b"worker"  # one worker's counts, sent as a request begins, starts decoding or ends
 REGISTRY = b"registry"
 
 
@@ -167,6 +168,7 @@ class SiblingShare:
     async def start(self) -> None:
         """Load the stored registry and start syncing (the bus's owner starts and stops it)."""
         self.bus.on(COUNTS, self._on_counts)
+        self.bus.on(WORKER, self._on_worker)
         self.bus.on(REGISTRY, self._on_change)
         for spec in self._stored_registry():
             self._apply({"op": "add", "spec": spec})
@@ -220,6 +222,39 @@ class SiblingShare:
             return
         self._snapshots[origin] = (time.monotonic(), payload, orjson.loads(payload))
         self._changed = True
+
+    def changed(self, worker: Worker) -> None:
+        """Tell the siblings a worker's counts at once. A prefill lasts milliseconds: with
+        counts only every sync, the siblings missed it and sent new conversations to the
+        same worker (2026-12-01, ``bench.compare_routing multiturn``, kv_aware with two
+        processes: hit rate 0.796 against one process's 0.885, with 4 of 8 engines idle;
+        0.790 with no sync at all)."""
+        ranks = [list(counters.local_tuple()) for counters in worker.ranks]
+        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks]))
+
+    def _on_worker(self, origin: str, payload: bytes) -> None:
+        worker_id, ranks = orjson.loads(payload)
+        now = time.monotonic()
+        snapshot = self._snapshots.get(origin)
+        counts = snapshot[2] if snapshot is not None else {}
+        if any(any(r) for r in ranks):
+            counts[worker_id] = ranks
+        else:
+            counts.pop(worker_id, None)
+        # The next full snapshot from this sibling is parsed whatever its bytes.
+        self._snapshots[origin] = (now, b"", counts)
+        worker = self.fleet.get(worker_id)
+        if worker is None:
+            return
+        lease = self.fleet.settings.lease_s
+        per_rank = [[0, 0, 0, 0] for _ in worker.ranks]
+        for at, _, peer_counts in self._snapshots.values():
+            if now - at > lease:
+                continue
+            for rank, values in enumerate(peer_counts.get(worker_id, ())):
+                if rank < len(per_rank):
+                    per_rank[rank] = [a + b for a, b in zip(per_rank[rank], values, strict=True)]
+        fold_worker(worker, per_rank)
 
     async def _sync_loop(self) -> None:
         while True:

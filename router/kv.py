@@ -213,7 +213,9 @@ class EmbeddedPrefixes:
     ) -> ParityMonitor | None:
         if not self.store.tokenizer.exact:
             return None
-        return ParityMonitor(self.store, fleet, registry, interval_s=interval_s)
+        return ParityMonitor(
+            self.store, fleet, registry, interval_s=interval_s, siblings=self.siblings
+        )
 
     def expose(self, registry: CollectorRegistry) -> None:
         registry.register(self.store.metrics.registry)

@@ -43,8 +43,8 @@ def start_router(tmp_path: Path) -> Iterator[StartRouter]:
             path.write_text(yaml.safe_dump(config))
             argv += ["--config", str(path)]
         if "--processes" not in args:
-            # One process unless a test asks for more: the default (one per core) would make
-            # which process takes a connection, and so its counters, part of every test.
+            # One process unless a test asks for more (SWITCHYARD_ROUTER_PROCESSES in the
+            # environment would otherwise make which process takes a connection part of it).
             argv += ["--processes", "1"]
         server = Server([*argv, *args], port).start()
         started.append(server)

@@ -10,12 +10,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
+from balancer.siblings import SiblingBus
 from kvstore.ingest import StoredTokens
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
-from router.parity import ParityChecker, ParityResult, event_chain, likely_cause
+from router.parity import (
+    PARITY,
+    ParityChecker,
+    ParityMonitor,
+    ParityResult,
+    event_chain,
+    likely_cause,
+)
 from switchyard.cli import run
 from tests.support import TOKENIZER_DIR, Server, free_port
 
@@ -179,3 +189,43 @@ def test_the_monitor_reports_a_verdict_to_the_gauge_the_worker_and_one_log_line(
     assert len(lines) == 1 and "likely cause: chat template" in lines[0]
     monitor.report(worker, ParityResult(worker.id, True, "verified", block_size=32))
     assert registry.get_sample_value("switchyard_router_kv_parity", {"worker": worker.id}) == 1.0
+
+
+async def test_one_of_a_routers_processes_sends_the_canaries_and_shares_each_result(
+    tmp_path: Path,
+) -> None:
+    class Worker:
+        id = "http://engine:8000"
+        kv_parity: dict | None = None
+
+    class Fleet:
+        worker = Worker()
+
+        def get(self, worker_id: str) -> Worker | None:
+            return self.worker if worker_id == self.worker.id else None
+
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
+    fleets = [Fleet(), Fleet()]
+    monitors = [
+        ParityMonitor(KVStore(block_size=16), f, CollectorRegistry(), interval_s=300, siblings=b)
+        for f, b in zip(fleets, buses, strict=True)
+    ]
+    for bus in buses:
+        await bus.start()
+    monitors[1].siblings.on(PARITY, monitors[1]._on_sibling_result)  # as start() does
+    try:
+        assert [m._checks_here() for m in monitors] == [True, False]
+        await asyncio.sleep(0.3)  # the buses find each other and subscribe
+        result = ParityResult(Worker.id, True, "verified", block_size=16)
+        buses[0].publish(PARITY, orjson.dumps(result.as_dict()))
+        for _ in range(100):
+            if fleets[1].worker.kv_parity is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert fleets[1].worker.kv_parity is not None and fleets[1].worker.kv_parity["ok"]
+        await monitors[0].stop()  # the lock goes with the process that held it
+        assert monitors[1]._checks_here()
+    finally:
+        await monitors[1].stop()
+        for bus in buses:
+            await bus.stop()
