@@ -223,6 +223,7 @@ class Forwarder:
             else None
         )
         due = None if deadline_s is None else time.monotonic() + deadline_s
+        began = time.perf_counter()
         try:
             with call:
                 resp = await self.relay.open(call.url, req.body, call.headers, deadline_s)
@@ -241,7 +242,7 @@ class Forwarder:
                             resp,
                             request_id,
                             send,
-                            started,
+                            (started, began),
                             call.ticket,
                             expected,
                             ctx,
@@ -287,7 +288,7 @@ class Forwarder:
         resp: aiohttp.ClientResponse,
         request_id: bytes,
         send: Send,
-        started: float,
+        clocks: tuple[float, float],
         ticket: Ticket,
         expected: Expected | None,
         ctx: Context,
@@ -299,6 +300,7 @@ class Forwarder:
         Nothing reaches the client before the first chunk of a stream (or the whole of
         another answer), so until then a failure raises ``Unsent`` and another worker may
         answer. A stream's first chunk must come by ``due`` (monotonic; None: the cap).
+        ``clocks``: when the request came and when this attempt began (perf_counter).
         """
         out_headers = response_headers(resp, request_id)
         out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
@@ -316,7 +318,7 @@ class Forwarder:
             if not first:
                 await send({"type": "http.response.body", "body": b""})
                 return b""
-            self._first_token(ttft, started, ticket, expected, ctx, rank)
+            self._first_token(ttft, clocks, ticket, expected, ctx, rank)
             await send({"type": "http.response.body", "body": first, "more_body": True})
             tail = await self.relay.stream(
                 resp, send, first, lambda n: self.fleet.progress(ticket, n)
@@ -329,10 +331,11 @@ class Forwarder:
             raise Unsent(exc) from None
         if resp.status >= 400:
             body = engine_error_body(body)
-        elapsed = time.perf_counter() - started
-        ttft.observe(elapsed)
+        started, began = clocks
+        now = time.perf_counter()
+        ttft.observe(now - started)
         if expected is not None and resp.status == 200:
-            expected.observe(elapsed)
+            expected.observe(now - began)
         await send_complete(send, resp.status, out_headers, body)
         if self.kv is not None:
             self.kv.answered(ctx, ticket.worker, rank)
@@ -341,18 +344,22 @@ class Forwarder:
     def _first_token(
         self,
         ttft: Histogram,
-        started: float,
+        clocks: tuple[float, float],
         ticket: Ticket,
         expected: Expected | None,
         ctx: Context,
         rank: int | None,
     ) -> None:
-        """What the first streamed chunk triggers; the KV bookkeeping runs after that byte."""
-        elapsed = time.perf_counter() - started
-        ttft.observe(elapsed)
+        """What the first streamed chunk triggers; the KV bookkeeping runs after that byte.
+
+        The client's TTFT counts from the request; the worker's prediction is checked
+        against its own attempt, not the time earlier attempts spent on a hung worker."""
+        started, began = clocks
+        now = time.perf_counter()
+        ttft.observe(now - started)
         self.fleet.first_token(ticket)
         if expected is not None:
-            expected.observe(elapsed)
+            expected.observe(now - began)
         if self.kv is not None:
             self.kv.answered(ctx, ticket.worker, rank)
 

@@ -33,21 +33,22 @@ def until(check: object, timeout_s: float = 30.0) -> None:
 
 
 def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
-    # The tiny model decodes a long answer in under a second on an idle core, so each
-    # request asks for 16 of them and several run at once, for seconds of scrapes.
+    # Four requests of 8 answers of 500 tokens keep both engines busy for about 15 s of
+    # scrapes on a quiet machine. (Six of 16 answers of 1900 tokens once took over 120 s
+    # on a CI machine; the generous timeout only catches a hang.)
     admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
-    body = {**LONG, "stream": False, "n": 16}
+    body = {**LONG, "stream": False, "n": 8, "max_tokens": 500}
     seen: list[dict] = []
-    with ThreadPoolExecutor(6) as pool:
+    with ThreadPoolExecutor(4) as pool:
         answers = [
-            pool.submit(httpx.post, router.url + "/v1/chat/completions", json=body, timeout=120)
-            for _ in range(6)
+            pool.submit(httpx.post, router.url + "/v1/chat/completions", json=body, timeout=300)
+            for _ in range(4)
         ]
         while not all(a.done() for a in answers):
             listing = httpx.get(router.url + "/admin/workers", headers=admin, timeout=10).json()
             seen += [w["ranks"][0] for w in listing["workers"]]
             time.sleep(0.2)
-    assert [a.result().status_code for a in answers] == [200] * 6
+    assert [a.result().status_code for a in answers] == [200] * 4
     assert max(rank["engine_running"] or 0 for rank in seen) >= 1
     assert max(rank["kv_usage"] or 0.0 for rank in seen) > 0
 
@@ -63,6 +64,8 @@ def test_an_abandoned_stream_is_aborted_in_the_engine(router: Server) -> None:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert engine_metric(worker, "vllm:num_requests_running") >= 1
+        # vLLM sets the gauge apart from the outputs the stream relays (a CI run read 0
+        # just after the first chunks), so it is polled while the stream is held.
+        until(lambda: engine_metric(worker, "vllm:num_requests_running") >= 1, 10.0)
     until(lambda: engine_metric(worker, "vllm:num_requests_running") == 0)
     assert engine_metric(worker, "vllm:request_success_total") == finished

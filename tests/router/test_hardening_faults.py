@@ -97,6 +97,30 @@ def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     assert stub.state.requests == hung_saw
 
 
+def test_a_retried_answer_teaches_the_time_of_its_own_attempt_not_the_hung_ones(
+    stub: StubBackend, stub2: StubBackend, start_router: StartRouter
+) -> None:
+    """The seconds spent on a hung first choice are not charged to the worker that then
+    answers: charging them would inflate its learned rate, and with it every later
+    first-byte deadline (a CI run once waited 116 s where 20 were allowed)."""
+    stub.state.hang = True
+    stub2.state.chunk_interval_s = 0.001
+    # A 20 tokens/s prior predicts about 0.1 s for this prompt: the hung attempt's deadline
+    # is about 2.4 s, so a ratio charged with it would be over 20; the answer's own is < 10.
+    config = {"router": {"admission_prior_tokens_per_s": 20.0, "first_byte_base_s": 2.0}}
+    router = start_router(stub.url, stub2.url, config=config, args=("--policy", "round_robin"))
+    with httpx.stream(
+        "POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["x-switchyard-worker"] == stub2.url
+        next(r.iter_raw())
+    metrics = httpx.get(router.url + "/metrics").text
+    ratio = "switchyard_router_ttft_prediction_ratio"
+    assert metric(metrics, ratio + "_count", kind="stream") == 1.0
+    assert metric(metrics, ratio + "_sum", kind="stream") < 10.0
+
+
 def _expected(predicted_s: float, *, stream: bool = True, learned: bool = False) -> Expected:
     model = TTFTModel(10_000.0)
     worker = Worker(WorkerSpec(url="http://127.0.0.1:1"), BalancerSettings())
