@@ -21,7 +21,7 @@ from balancer.siblings import SiblingBus
 from kvstore.keys import KeyCache
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
-from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
+from kvstore.tokenize import CHARS_PER_TOKEN, OFFLOAD_CHARS, RoutingTokenizer
 from router.metrics import KVMetrics
 from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -87,6 +87,9 @@ class PrefixSource(Protocol):
         self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
     ) -> None:
         """Tokenize the whole prompt and record it as speculative entries of ``instance``."""
+
+    async def warm(self, model: str, prompt: Prompt) -> None:
+        """Tokenize the whole prompt into the caches, so later turns find it there."""
 
     async def occupancy(self) -> dict[str, int]:
         """Blocks each instance holds (empty when the source cannot say cheaply)."""
@@ -155,10 +158,10 @@ class EmbeddedPrefixes:
         tok = store.tokenizer_for(model)
         messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
         if messages is not None:
-            # Earlier turns come from the message cache: the whole lookup is the cheaper one.
+            # Earlier turns come from the message cache: at most a turn's new text is left.
             new_chars = tok.uncached_chars(messages)
             if new_chars is not None and new_chars <= OFFLOAD_CHARS:
-                return None
+                return await self._probe_chat(tok, messages, salt, candidates)
         text = tok.render_chat(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
             return None
@@ -179,6 +182,30 @@ class EmbeddedPrefixes:
         result.total_tokens = round(len(text) * len(head) / chars)
         result.exact = False
         return result
+
+    async def _probe_chat(
+        self,
+        tok: RoutingTokenizer,
+        messages: list[dict[str, Any]],
+        salt: str | None,
+        candidates: list[str],
+    ) -> LookupResult | None:
+        """Matches of a chat without a last message no engine can hold (one this router
+        never saw): it is tokenized once the answer is on its way (``warm``), for the next
+        turn. None when the whole lookup is the one to make."""
+        head = await tok.aencode_chat_head(messages)
+        if head is None:
+            return None
+        ids, left_out_chars = head
+        result = await self.store.match_tokens(ids, candidates, None, salt)
+        if result.degraded:
+            return None
+        result.total_tokens = len(ids) + -(-left_out_chars // CHARS_PER_TOKEN)
+        result.exact = False
+        return result
+
+    async def warm(self, model: str, prompt: Prompt) -> None:
+        await self.store.tokenize(model, **prompt)
 
     async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
         await self.store.record_placement(keys, instance, rank, ttl_s)
@@ -258,6 +285,9 @@ class RemotePrefixes:
         self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
     ) -> LookupResult | None:
         return None
+
+    async def warm(self, model: str, prompt: Prompt) -> None:
+        """Nothing: the service tokenizes its own lookups (and ``probe`` defers none)."""
 
     async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
         task = asyncio.get_running_loop().create_task(
@@ -414,23 +444,26 @@ class KVAwareness:
             await self.source.place(keys, worker.id, rank or 0, ttl)
 
     def answered(self, ctx: Context, worker: Worker, rank: int | None) -> None:
-        """The worker answered: record the whole prompt where no KV events will.
+        """The worker answered: pay the tokenization the probe skipped, where needed.
 
-        With events the probed head bridges the moments until the engine's own events
-        arrive, so the rest is never tokenized here. Without them the placement is all
-        the router will know: the tokenization the probe skipped is paid now, spawned
-        once the first byte is on its way (any earlier, it would hold the event loop
-        while the request or its first token waits).
+        Spawned once the first byte is on its way (any earlier, it would hold the event
+        loop while the request or its first token waits). Without KV events the placement
+        is all the router will know, so the whole prompt is recorded. With them the probed
+        head bridges the moments until the engine's own events arrive; a chat is still
+        tokenized whole, so that its next turn finds every earlier message cached.
         """
         deferred, ctx.deferred_keys = ctx.deferred_keys, None
-        if deferred is None or not self.estimating(worker):
+        if deferred is None:
             return
         model, prompt, salt = deferred
-        self._spawn(
-            self.source.place_prompt(
-                model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s
+        if self.estimating(worker):
+            self._spawn(
+                self.source.place_prompt(
+                    model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s
+                )
             )
-        )
+        elif "messages" in prompt:
+            self._spawn(self.source.warm(model, prompt))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
-from kvstore.store import KVStore
+from kvstore.store import KVStore, LookupResult
 from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
 from router.kv import EmbeddedPrefixes, KVAwareness
 from router.metrics import KVMetrics
@@ -170,17 +170,45 @@ def test_cache_counters_move_by_what_the_tokenizer_counted_since_the_last_reques
     assert value(name, {"kind": "message", "outcome": "miss"}) == 5
 
 
-def test_a_chat_whose_earlier_turns_are_cached_is_looked_up_whole_a_long_new_one_probed() -> None:
-    async def run() -> tuple[bool, bool]:
-        store = KVStore(block_size=16, tokenizer=_ours())
-        messages = _chat(3)
-        await store.tokenize("m", messages=messages[:-2])
-        later = await EmbeddedPrefixes(store).probe("m", {"messages": messages}, None, ["a"])
-        document = [{"role": "user", "content": "page of text " * OFFLOAD_CHARS}]
-        long_new = await EmbeddedPrefixes(store).probe("m", {"messages": document}, None, ["a"])
-        return later is None, long_new is not None
+def _probe(store: KVStore, messages: list[dict[str, Any]]) -> LookupResult | None:
+    return asyncio.run(EmbeddedPrefixes(store).probe("m", {"messages": messages}, None, ["a"]))
 
-    assert asyncio.run(run()) == (True, True)
+
+def test_a_later_turn_is_matched_without_the_new_message_it_ends_with() -> None:
+    store = KVStore(block_size=16, tokenizer=_ours())
+    messages = _chat(3)[:-1]
+    asyncio.run(store.tokenize("m", messages=messages[:-2]))
+    result = _probe(store, messages)
+    assert result is not None and not result.exact
+    head = _full(store.tokenizer, messages[:-1], False)
+    assert result.keys == store.keys_for(head)
+    whole = len(_full(store.tokenizer, messages))
+    assert abs(result.total_tokens - whole) <= 0.5 * (whole - len(head))
+
+
+def test_a_new_last_message_is_left_for_after_the_answer_and_its_turn_then_cached() -> None:
+    tok = _ours()
+    messages = _chat(3)[:-1]
+    asyncio.run(tok.aencode_chat(messages[:-2]))
+    asyncio.run(tok.aencode_chat_head(messages))
+    assert tok.uncached_chars(messages) == len(str(messages[-1]["content"])) + 16
+    asyncio.run(tok.aencode_chat(messages))
+    assert tok.uncached_chars(messages) == 0
+
+
+def test_a_chat_whose_last_message_was_seen_is_looked_up_whole() -> None:
+    store = KVStore(block_size=16, tokenizer=_ours())
+    messages = _chat(3)[:-1]
+    asyncio.run(store.tokenize("m", messages=messages))
+    assert _probe(store, messages) is None
+
+
+def test_a_chat_with_a_long_new_message_is_probed_by_text_heads() -> None:
+    store = KVStore(block_size=16, tokenizer=_ours())
+    document = [{"role": "user", "content": "page of text " * OFFLOAD_CHARS}]
+    result = _probe(store, document)
+    assert result is not None and not result.exact
+    assert len(result.keys) < len(_full(store.tokenizer, document)) // 16
 
 
 _text = st.lists(

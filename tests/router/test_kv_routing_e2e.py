@@ -101,6 +101,39 @@ def test_a_repeated_long_prefix_returns_to_the_engine_that_holds_it(
     assert metric(text, "switchyard_router_actual_cached_tokens_total") == sum(cached)
 
 
+def test_each_turn_of_a_chat_is_predicted_exactly_and_tokenizes_each_message_once(
+    engines: list[tuple[Server, int]], start_router: StartRouter
+) -> None:
+    """A turn's new question is left out of its lookup (no engine can hold it) and
+    tokenized after the answer: the predictions still equal what the engine reports."""
+    reset(engines)
+    events = tuple(f"--kv-events={s.url}=tcp://127.0.0.1:{p}" for s, p in engines)
+    router = start_router(
+        *(s.url for s, _ in engines),
+        args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR), *events),
+    ).url
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    cached = []
+    for turn in range(4):
+        question = f"Question number {turn}, asked at length: " + "and why? " * 40
+        messages.append({"role": "user", "content": question})
+        body = {"model": "m", "max_tokens": 40, "messages": messages}
+        resp = httpx.post(router + "/v1/chat/completions", json=body, timeout=30)
+        assert resp.status_code == 200
+        cached.append(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages.append(
+            {"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]}
+        )
+        time.sleep(0.2)
+    text = httpx.get(router + "/metrics").text
+    assert all(c > 1000 for c in cached[1:])
+    assert metric(text, "switchyard_router_predicted_cached_tokens_total") == sum(cached)
+    misses = values(text, "switchyard_router_tokenize_cache_total", kind="message", outcome="miss")
+    # Each distinct message once (the mock's answers repeat); the counters move at each
+    # lookup, so the last question, tokenized after its answer, is not counted yet.
+    assert sum(misses) == len({(m["role"], m["content"]) for m in messages[:-2]})
+
+
 def test_without_kv_flags_events_are_discovered_and_parity_is_verified(
     engines: list[tuple[Server, int]], start_router: StartRouter
 ) -> None:
