@@ -449,8 +449,9 @@ class KVAwareness:
         Spawned once the first byte is on its way (any earlier, it would hold the event
         loop while the request or its first token waits). Without KV events the placement
         is all the router will know, so the whole prompt is recorded. With them the probed
-        head bridges the moments until the engine's own events arrive; a chat is still
-        tokenized whole, so that its next turn finds every earlier message cached.
+        head bridges the moments until the engine's own events arrive; a conversation is
+        still tokenized whole, so that its next turn finds every earlier message cached (a
+        single message is not: a later request holding it would hold it with more).
         """
         deferred, ctx.deferred_keys = ctx.deferred_keys, None
         if deferred is None:
@@ -462,7 +463,7 @@ class KVAwareness:
                     model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s
                 )
             )
-        elif "messages" in prompt:
+        elif len(prompt.get("messages") or ()) > 1:
             self._spawn(self.source.warm(model, prompt))
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
