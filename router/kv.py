@@ -144,7 +144,8 @@ class EmbeddedPrefixes:
     async def probe(
         self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
     ) -> LookupResult | None:
-        """Tokenize a long prompt only as far as some worker's match reaches.
+        """Tokenize a long prompt only as far as some worker's match reaches, and a chat
+        without a last message the router never saw (``_probe_chat``).
 
         Tokenizing costs ~1.5 us per token, on the request's path and on the one event
         loop: a burst of long prompts queues behind it (the Mooncake trace's bursts of
