@@ -364,7 +364,7 @@ class RoutingTokenizer:
             if self._engine_url is not None:
                 return self._engine_tokenize_sync({"prompt": prompt})
             return self._approx(prompt)
-        return self._wrap(self._finish(self._text_plan(prompt), self._encode_inline))
+        return self._wrap(self._finish(self._text_plan(prompt), self._encode))
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
@@ -376,7 +376,7 @@ class RoutingTokenizer:
                     {"messages": messages, "add_generation_prompt": add_generation_prompt}
                 )
             return self._approx(_render_plain_chat(messages, add_generation_prompt))
-        return self._finish(self._chat_plan(messages, add_generation_prompt), self._encode_inline)
+        return self._finish(self._chat_plan(messages, add_generation_prompt), self._encode)
 
     def encode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
         """Tokens that certainly begin ``text``'s encoding, from about ``max_chars`` of it.
@@ -389,7 +389,7 @@ class RoutingTokenizer:
         cut = self._head_cut(text, max_chars)
         if cut is None:
             return None
-        ids = self._finish(self._text_plan(text[:cut]), self._encode_inline)[:-2]
+        ids = self._finish(self._text_plan(text[:cut]), self._encode)[:-2]
         return self._bos + ids if prompt else ids
 
     async def aencode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
@@ -499,7 +499,7 @@ class RoutingTokenizer:
         if layout is None or self._tok is None or self._engine_url is not None:
             return None
         if len(messages) < 2:
-            return None
+            return None  # a single message is its own head: nothing to leave out
         last = messages[-1]
         key = _message_key(last, False)
         if key is None or key in self._cache or not (layout.tools or _plain(last)):
@@ -550,14 +550,12 @@ class RoutingTokenizer:
                 put(part.key, part.ids)
         return out
 
-    def _encode_inline(self, texts: list[str]) -> list[list[int]]:
-        return self._encode_released(texts)
-
-    def _encode_released(self, texts: list[str]) -> list[list[int]]:
-        """``encode_batch_fast`` releases the GIL (``encode`` does not) and skips the
-        offsets. One text a call: a batch of several spreads them over rayon's threads,
-        which cost more than they gave here. On the multi-turn messages (2026-12-01): 305
-        us a lookup against 452-582 with ``encode`` and 492 with the pieces batched."""
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        """Inline or in the worker thread: ``encode_batch_fast`` releases the GIL
+        (``encode`` does not) and skips the offsets. One text a call: a batch of several
+        spreads them over rayon's threads, which cost more than they gave here. On the
+        multi-turn bench's new messages, with a fresh tokenizer (2026-12-01): 436-484 us
+        a lookup against 580 with ``encode`` and 512-645 with the pieces batched."""
         assert self._tok is not None
         fast = self._tok.encode_batch_fast
         return [fast([t], add_special_tokens=False)[0].ids for t in texts]
@@ -570,14 +568,14 @@ class RoutingTokenizer:
         """
         missing = self._missing(plan)
         if not self._queued and sum(len(p.text) for p in missing) <= OFFLOAD_CHARS:
-            return self._finish(plan, self._encode_inline)
+            return self._finish(plan, self._encode)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="switchyard-tokenize")
         texts = [p.text for p in missing]
         self._queued += 1
         try:
             loop = asyncio.get_running_loop()
-            encoded = await loop.run_in_executor(self._executor, self._encode_released, texts)
+            encoded = await loop.run_in_executor(self._executor, self._encode, texts)
         finally:
             self._queued -= 1
         for piece, ids in zip(missing, encoded, strict=True):
