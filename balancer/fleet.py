@@ -259,6 +259,7 @@ class Fleet:
         worker.inflight += 1
         worker.local_inflight += 1
         worker.sent_since_scrape += 1
+        worker.begun_at = time.monotonic()
         if self.shared is not None:
             self.shared.changed(worker)
         return Ticket(

@@ -228,12 +228,13 @@ class SiblingShare:
         counts only every sync, the siblings missed it and sent new conversations to the
         same worker (2026-12-01, ``bench.compare_routing multiturn``, kv_aware with two
         processes: hit rate 0.796 against one process's 0.885, with 4 of 8 engines idle;
-        0.790 with no sync at all)."""
+        0.790 with no sync at all). ``begun_at`` goes along, so that every process rotates
+        ties over the fleet's picks, not only its own."""
         ranks = [list(counters.local_tuple()) for counters in worker.ranks]
-        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks]))
+        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks, worker.begun_at]))
 
     def _on_worker(self, origin: str, payload: bytes) -> None:
-        worker_id, ranks = orjson.loads(payload)
+        worker_id, ranks, begun_at = orjson.loads(payload)
         now = time.monotonic()
         snapshot = self._snapshots.get(origin)
         counts = snapshot[2] if snapshot is not None else {}
@@ -246,6 +247,7 @@ class SiblingShare:
         worker = self.fleet.get(worker_id)
         if worker is None:
             return
+        worker.begun_at = max(worker.begun_at, begun_at)
         lease = self.fleet.settings.lease_s
         per_rank = [[0, 0, 0, 0] for _ in worker.ranks]
         for at, _, peer_counts in self._snapshots.values():

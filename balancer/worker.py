@@ -235,6 +235,9 @@ class Worker:
         self.outliers = OutlierWindow(settings.outlier_window)
         self.ejected_until = 0.0
         self.warm_since = time.monotonic()
+        # When a request last began here, from any process of this router (monotonic, which
+        # the processes of one host share): pickers rotate ties by it (``MaxScorePicker``).
+        self.begun_at = 0.0
         # The router's hash-parity self-check of this worker (router.parity), when run.
         self.kv_parity: dict[str, Any] | None = None
         self._settings = settings

@@ -146,7 +146,7 @@ class RouterSettings(ServiceSettings):
         default=0, ge=0, description="connection pool per worker (0: unbounded)"
     )
     processes: int | Literal["auto"] = Field(
-        default=1,
+        default="auto",
         description="router processes sharing the port (auto: one per core this process may "
         "use); they share in-flight counts, admin changes and placements",
     )

@@ -49,6 +49,19 @@ async def test_a_siblings_rank_counts_add_to_the_local_view(
         await eventually(lambda: wb.inflight == 0)
 
 
+async def test_a_request_a_sibling_begins_dates_the_worker_for_every_process(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with sibling(tmp_path, spec) as a, sibling(tmp_path, spec) as b:
+        wa, wb = a.workers()[0], b.workers()[0]
+        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+        a.begin(wa)
+        await eventually(lambda: wb.inflight == 1)
+        assert wb.begun_at == wa.begun_at > 0.0
+
+
 async def test_a_stopped_siblings_counts_vanish_after_its_lease(
     stub_engine: StubFactory, tmp_path: Path
 ) -> None:

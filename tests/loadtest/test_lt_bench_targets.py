@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from router.settings import usable_cores
 from tests.support import REPO, Server, free_port
 
 WORKLOAD = [
@@ -57,7 +58,10 @@ def test_compare_on_running_workers_routes_every_request_and_counts_engine_hits(
         assert run["ok"] == requests and run["errors"] == 0
         # kv_aware's router also sends its hash-parity canaries (a few per engine).
         assert requests <= sum(run["per_engine"]) <= requests + 2 * len(engines)
-    assert report["runs"][0]["per_engine"] == [requests // 2, requests // 2]
+    # Each router process (one per core by default) takes its own turns: round robin is
+    # even to within one request per process.
+    per_engine = report["runs"][0]["per_engine"]
+    assert sum(per_engine) == requests and max(per_engine) - min(per_engine) <= usable_cores()
     assert report["runs"][1]["hit_rate"] > report["runs"][0]["hit_rate"]
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from loadtest.fleet import MockFleet
 from loadtest.text import default_bank
+from router.settings import usable_cores
 from tests.support import REPO
 
 
@@ -73,7 +74,9 @@ def test_bench_compare_writes_table_json_and_plots_and_reports_unavailable_confi
         assert 0.0 < run["hit_rate"] <= report["ceiling"]["infinite_hit_rate"] + 1e-9
         assert run["ttft_ms"]["p50"] > 0
         assert run["engine_hit_rate"] == pytest.approx(run["hit_rate"], abs=0.01)
-    assert report["runs"][0]["per_engine"] == [15, 15]
+    # Each router process takes its own turns: even to within one request per process.
+    per_engine = report["runs"][0]["per_engine"]
+    assert max(per_engine) - min(per_engine) <= usable_cores()
     assert set(report["aggregate"]) == {"round_robin", "least_load"}
     assert set(report["unavailable"]) == {"no_such_policy", "another_unknown"}
     for png in ("ttft_cdf.png", "hit_rate.png", "load_spread.png"):

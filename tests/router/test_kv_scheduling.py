@@ -25,6 +25,7 @@ class FakeLoad:
 class FakeWorker:
     id: str
     inflight: int = 0
+    begun_at: float = 0.0
     state: FakeLoad = field(default_factory=FakeLoad)
     dp_size: int = 1
 

@@ -86,8 +86,10 @@ def test_settings_survive_the_json_handed_to_router_processes() -> None:
     assert again.redis_url == "redis://127.0.0.1:6379/0"
 
 
-def test_auto_is_one_process_per_usable_core() -> None:
-    assert RouterSettings(processes="auto").process_count == usable_cores()
+def test_the_default_is_one_process_per_usable_core() -> None:
+    settings = RouterSettings()
+    assert settings.processes == "auto"
+    assert settings.process_count == usable_cores()
 
 
 def test_auto_is_one_process_when_engines_connect_to_one_listening_socket() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from router.scheduler.scorers import KVAwareScorer, SessionAffinityScorer
 class FakeWorker:
     id: str
     inflight: int = 0
+    begun_at: float = 0.0
 
 
 def fleet(*loads: int) -> list[FakeWorker]:
@@ -53,6 +55,16 @@ def test_least_load_picks_the_fewest_inflight() -> None:
 def test_least_load_breaks_ties_at_random() -> None:
     counts = first_choices("least_load", fleet(2, 0, 0), 200)
     assert set(counts) == {"http://w1", "http://w2"}
+
+
+def test_max_score_rotates_ties_past_workers_another_process_began_on() -> None:
+    workers = fleet(0, 0, 0, 0)
+    now = time.monotonic()
+    workers[0].begun_at = now  # a sibling process just sent a request to each of these
+    workers[1].begun_at = now
+    picker = MaxScorePicker()
+    picks = [picker.order(Context(model="m"), workers, [1.0] * 4)[0].id for _ in range(2)]
+    assert picks == ["http://w2", "http://w3"]
 
 
 def test_power_of_two_never_picks_the_most_loaded() -> None:
