@@ -191,10 +191,10 @@ class BalancerSettings(ServiceSettings):
         description="between Redis syncs",
     )
     sibling_sync_interval_s: float = Field(
-        default=0.02,
+        default=0.25,
         gt=0,
-        description="between syncs of in-flight counts among one router's processes (a "
-        "local socket: cheap enough to be near-exact)",
+        description="between syncs of in-flight counts among one router's processes, a "
+        "keep-alive: every change is also sent at once",
     )
 
     # Tickets handed out by the service (`POST /v1/pick`) that are never ended expire.

@@ -281,6 +281,9 @@ class RoutingTokenizer:
         self._layout: _ChatLayout | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._queued = 0
+        # Told of each chat message tokenized here for the first time (its cache key and
+        # ids), so that the router's other processes need not tokenize it again (``learn``).
+        self.on_message: Callable[[bytes, list[int]], None] | None = None
         self.exact = tokenizer is not None or engine_url is not None
         self.cut_pieces = False
         if tokenizer is not None:
@@ -526,6 +529,11 @@ class RoutingTokenizer:
         text = text[len(before) :]
         return text if text.startswith(layout.starts) else None
 
+    def learn(self, key: bytes, ids: list[int]) -> None:
+        """Cache a chat message another process of the router tokenized (``on_message``)."""
+        if key not in self._cache:
+            self._cache.put(key, ids)
+
     @staticmethod
     def _missing(plan: _Text) -> list[_Piece]:
         return [p for p in plan.parts if isinstance(p, _Piece)]
@@ -539,10 +547,14 @@ class RoutingTokenizer:
         return self._assemble(plan)
 
     def _assemble(self, plan: _Text) -> list[int]:
-        put = self._cache.put
+        cache, told = self._cache, self.on_message
         for child in plan.children:
             assert child.key is not None
-            put(child.key, _joined(child.parts))
+            ids = _joined(child.parts)
+            if told is not None and child.key not in cache:
+                told(child.key, ids)
+            cache.put(child.key, ids)
+        put = cache.put
         out = _joined(plan.parts)
         for part in plan.parts:
             if isinstance(part, _Piece) and part.key is not None:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 OCCUPANCY_TTL_S = 0.1
 PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
+TOKENS = b"tokens"  # sibling-bus topic: a chat message another process tokenized
 PROBE_CHARS = 512
 PROBE_GROWTH = 4
 
@@ -123,7 +124,27 @@ class EmbeddedPrefixes:
     async def start(self) -> None:
         if self.siblings is not None:
             self.siblings.on(PLACE, self._on_sibling_place)
+            self.siblings.on(TOKENS, self._on_sibling_tokens)
+            for model, tok in [("", self.store.tokenizer), *self.store.model_tokenizers.items()]:
+                tok.on_message = self._share_tokens(model)
         await self.store.start()
+
+    def _share_tokens(self, model: str) -> Callable[[bytes, list[int]], None]:
+        """Tell the other processes each chat message this one tokenizes: the next turn of a
+        conversation comes to any of them. 2026-12-02, ``bench.router_cpu multiturn``, two
+        processes, each tokenizing every message it had not seen itself: 17.2 CPU-s per
+        1,000 requests against one process's 10.2."""
+        bus = self.siblings
+        assert bus is not None
+
+        def told(key: bytes, ids: list[int]) -> None:
+            bus.publish(TOKENS, msgpack.packb((model, key, ids)))
+
+        return told
+
+    def _on_sibling_tokens(self, origin: str, payload: bytes) -> None:
+        model, key, ids = msgpack.unpackb(payload)
+        self.store.tokenizer_for(model or None).learn(key, ids)
 
     async def stop(self) -> None:
         await self.store.stop()

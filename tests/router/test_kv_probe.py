@@ -91,3 +91,29 @@ async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -
         for bus, source in zip(buses, sources, strict=True):
             await source.stop()
             await bus.stop()
+
+
+async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(
+    tmp_path: Path,
+) -> None:
+    stores = [
+        KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR)) for _ in range(2)
+    ]
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
+    sources = [EmbeddedPrefixes(s, siblings=b) for s, b in zip(stores, buses, strict=True)]
+    for bus, source in zip(buses, sources, strict=True):
+        await bus.start()
+        await source.start()
+    try:
+        await eventually(lambda: all(bus.peers == 1 for bus in buses))
+        await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
+        chat = [{"role": "system", "content": WORDS[:2000]}, {"role": "user", "content": "hi"}]
+        await sources[0].warm("m", {"messages": chat})
+        other = stores[1].tokenizer
+        await eventually(lambda: other.uncached_chars(chat[:1]) == 0)
+        ids, _ = await stores[1].tokenize("m", messages=chat)
+        assert ids == (await stores[0].tokenize("m", messages=chat))[0]
+    finally:
+        for bus, source in zip(buses, sources, strict=True):
+            await source.stop()
+            await bus.stop()
