@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -66,16 +68,27 @@ def test_the_embedded_stores_metrics_are_served_with_the_routers() -> None:
     assert registry.get_sample_value("switchyard_kvstore_event_lag_seconds", lag) == 0.25
 
 
-async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -> None:
-    stores = [KVStore(block_size=16) for _ in range(2)]
-    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
+@asynccontextmanager
+async def processes(tmp_path: Path, stores: list[KVStore]) -> AsyncIterator[list[EmbeddedPrefixes]]:
+    """Each store as one process of a router sees it, all on one sibling bus."""
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in stores]
     sources = [EmbeddedPrefixes(s, siblings=b) for s, b in zip(stores, buses, strict=True)]
     for bus, source in zip(buses, sources, strict=True):
         await bus.start()
         await source.start()
     try:
-        await eventually(lambda: all(bus.peers == 1 for bus in buses))
+        await eventually(lambda: all(bus.peers == len(stores) - 1 for bus in buses))
         await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
+        yield sources
+    finally:
+        for bus, source in zip(buses, sources, strict=True):
+            await source.stop()
+            await bus.stop()
+
+
+async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -> None:
+    stores = [KVStore(block_size=16) for _ in range(2)]
+    async with processes(tmp_path, stores) as sources:
         tokens = list(range(1000, 1128))
         await sources[0].place(stores[0].keys_for(tokens), "a", 0, 30.0)
 
@@ -87,10 +100,6 @@ async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -
         while await matched_on_the_other() != 128:
             assert asyncio.get_running_loop().time() < deadline, "placement not shared"
             await asyncio.sleep(0.02)
-    finally:
-        for bus, source in zip(buses, sources, strict=True):
-            await source.stop()
-            await bus.stop()
 
 
 async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(
@@ -99,21 +108,10 @@ async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(
     stores = [
         KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR)) for _ in range(2)
     ]
-    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
-    sources = [EmbeddedPrefixes(s, siblings=b) for s, b in zip(stores, buses, strict=True)]
-    for bus, source in zip(buses, sources, strict=True):
-        await bus.start()
-        await source.start()
-    try:
-        await eventually(lambda: all(bus.peers == 1 for bus in buses))
-        await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
+    async with processes(tmp_path, stores) as sources:
         chat = [{"role": "system", "content": WORDS[:2000]}, {"role": "user", "content": "hi"}]
         await sources[0].warm("m", {"messages": chat})
         other = stores[1].tokenizer
         await eventually(lambda: other.uncached_chars(chat[:1]) == 0)
         ids, _ = await stores[1].tokenize("m", messages=chat)
         assert ids == (await stores[0].tokenize("m", messages=chat))[0]
-    finally:
-        for bus, source in zip(buses, sources, strict=True):
-            await source.stop()
-            await bus.stop()
