@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.procs import Server, free_port, redis_server, wait_http
@@ -11,7 +12,16 @@ from mockengine.settings import DEFAULT_TOKENIZER
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = Path(DEFAULT_TOKENIZER)
 
-__all__ = ["REPO", "TOKENIZER_DIR", "Server", "free_port", "metric", "redis_server", "wait_http"]
+__all__ = [
+    "REPO",
+    "TOKENIZER_DIR",
+    "Server",
+    "free_port",
+    "metric",
+    "one_process",
+    "redis_server",
+    "wait_http",
+]
 
 
 def metric(text: str, name: str, **labels: str) -> float:
@@ -19,3 +29,10 @@ def metric(text: str, name: str, **labels: str) -> float:
     found = values(text, name, **labels)
     assert found, f"{name}{labels} not in metrics"
     return sum(found)
+
+
+def one_process(args: Sequence[str] = ()) -> list[str]:
+    """``--processes 1`` unless ``args`` set the count: under the default (one router process
+    per core) which process takes a connection, with its own counters, caps and round-robin
+    turn, would be part of every test that starts a router."""
+    return [] if "--processes" in args else ["--processes", "1"]

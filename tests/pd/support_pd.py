@@ -8,7 +8,7 @@ import httpx
 import yaml
 
 from loadtest.prom import values
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 MODEL = "mock-model"
 LONG_PROMPT = "disaggregated prefill across the fleet " * 20
@@ -53,7 +53,7 @@ def router(
         path = tmp / f"router-{port}.yaml"
         path.write_text(yaml.safe_dump({"router": {"pd": pd}}))
         argv += ["--config", str(path)]
-    return Server([*argv, *args], port).start()
+    return Server([*argv, *one_process(args), *args], port).start()
 
 
 def vllm_pair(

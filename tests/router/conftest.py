@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 StartRouter = Callable[..., Server]
 
@@ -42,11 +42,7 @@ def start_router(tmp_path: Path) -> Iterator[StartRouter]:
             path = tmp_path / f"router-{port}.yaml"
             path.write_text(yaml.safe_dump(config))
             argv += ["--config", str(path)]
-        if "--processes" not in args:
-            # One process unless a test asks for more (SWITCHYARD_ROUTER_PROCESSES in the
-            # environment would otherwise make which process takes a connection part of it).
-            argv += ["--processes", "1"]
-        server = Server([*argv, *args], port).start()
+        server = Server([*argv, *one_process(args), *args], port).start()
         started.append(server)
         return server
 

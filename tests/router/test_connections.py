@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 StartRouter = Callable[..., Server]
 
@@ -22,7 +22,8 @@ def start_router() -> Iterator[StartRouter]:
 
     def start(*workers: str, args: tuple[str, ...] = ()) -> Server:
         port = free_port()
-        argv = ["router", "--port", str(port), *(f"--worker={w}" for w in workers), *args]
+        argv = ["router", "--port", str(port), *(f"--worker={w}" for w in workers)]
+        argv += [*one_process(args), *args]
         server = Server(argv, port, start_timeout_s=90).start()
         started.append(server)
         return server

@@ -9,7 +9,7 @@ import pytest
 
 from tests.router.stub_backend import StubBackend
 from tests.router.test_router_errors import assert_openai_error
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +25,7 @@ def engine() -> Iterator[StubBackend]:
 
 def _router(engine: StubBackend, *args: str) -> Iterator[str]:
     port = free_port()
-    argv = ["router", "--port", str(port), "--worker", engine.url, *args]
+    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(args), *args]
     server = Server(argv, port, health_path="/ready").start()  # ready: the model is known
     try:
         yield server.url

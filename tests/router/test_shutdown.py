@@ -17,7 +17,7 @@ from aiohttp import web
 from router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
 from router.settings import RouterSettings
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 StartRouter = Callable[..., Server]
 
@@ -40,7 +40,7 @@ def start_router() -> Iterator[StartRouter]:
 
     def start(worker: str, *args: str, own_group: bool = False) -> Server:
         port = free_port()
-        argv = ["router", "--port", str(port), "--worker", worker, *args]
+        argv = ["router", "--port", str(port), "--worker", worker, *one_process(args), *args]
         server = Server(argv, port, start_timeout_s=90, own_group=own_group).start()
         started.append(server)
         return server
@@ -116,7 +116,8 @@ def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
     backend = SlowBackend().start()
     port = free_port()
     router = Server(
-        ["router", "--port", str(port), "--worker", backend.url, "--shutdown-timeout-s", "20"],
+        ["router", "--port", str(port), "--worker", backend.url, *one_process()]
+        + ["--shutdown-timeout-s", "20"],
         port,
         start_timeout_s=90,
     ).start()

@@ -18,7 +18,7 @@ from router.settings import RouterSettings
 from router.tenants import TenantRequests, outcome_of
 from switchyard.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port
+from tests.support import Server, free_port, one_process
 
 
 def test_an_entry_with_a_colon_binds_its_key_to_the_tenant_before_it() -> None:
@@ -111,7 +111,7 @@ def tenant_router() -> Iterator[str]:
     engine = StubBackend().start()
     port = free_port()
     keys = ["--api-key", "team-a:key-a,team-b:key-b", "--metrics-auth", "none"]
-    argv = ["router", "--port", str(port), "--worker", engine.url, *keys]
+    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(), *keys]
     server = Server(argv, port, health_path="/ready")  # ready: the engine's model is known
     try:
         yield server.start().url
@@ -177,7 +177,8 @@ def test_the_router_refuses_a_tenant_over_its_limit_while_serving_the_other() ->
     engine.state.hang = True
     port = free_port()
     keys = ["--api-key", "team-a:key-a,team-b:key-b", "--tenant-max-in-flight", "1"]
-    server = Server(["router", "--port", str(port), "--worker", engine.url, *keys], port, "/ready")
+    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(), *keys]
+    server = Server(argv, port, "/ready")
     url = server.start().url + "/v1/completions"
     body = {"model": "stub-model", "prompt": "hi"}
 
