@@ -554,12 +554,11 @@ class RoutingTokenizer:
             if told is not None and child.key not in cache:
                 told(child.key, ids)
             cache.put(child.key, ids)
-        put = cache.put
         out = _joined(plan.parts)
         for part in plan.parts:
             if isinstance(part, _Piece) and part.key is not None:
                 assert part.ids is not None
-                put(part.key, part.ids)
+                cache.put(part.key, part.ids)
         return out
 
     def _encode(self, texts: list[str]) -> list[list[int]]:

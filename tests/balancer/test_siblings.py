@@ -32,14 +32,21 @@ async def sibling(directory: Path, *specs: str) -> AsyncIterator[Fleet]:
         await bus.stop()
 
 
+@asynccontextmanager
+async def linked(directory: Path, *specs: str) -> AsyncIterator[tuple[Fleet, Fleet]]:
+    """Two processes' fleets on one bus, once each hears the other."""
+    async with sibling(directory, *specs) as a, sibling(directory, *specs) as b:
+        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+        yield a, b
+
+
 async def test_a_siblings_rank_counts_add_to_the_local_view(
     stub_engine: StubFactory, tmp_path: Path
 ) -> None:
     stub = await stub_engine()
     spec = f"{stub.url};dp=2;models=m"
-    async with sibling(tmp_path, spec) as a, sibling(tmp_path, spec) as b:
+    async with linked(tmp_path, spec) as (a, b):
         wa, wb = a.workers()[0], b.workers()[0]
-        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
         ticket = a.begin(wa, prompt_tokens=700, dp_rank=1)
         await eventually(lambda: wb.inflight == 1)
         assert wb.local_inflight == 0
@@ -53,10 +60,8 @@ async def test_a_request_a_sibling_begins_dates_the_worker_for_every_process(
     stub_engine: StubFactory, tmp_path: Path
 ) -> None:
     stub = await stub_engine()
-    spec = f"{stub.url};models=m"
-    async with sibling(tmp_path, spec) as a, sibling(tmp_path, spec) as b:
+    async with linked(tmp_path, f"{stub.url};models=m") as (a, b):
         wa, wb = a.workers()[0], b.workers()[0]
-        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
         a.begin(wa)
         await eventually(lambda: wb.inflight == 1)
         assert wb.begun_at == wa.begun_at > 0.0
@@ -73,20 +78,22 @@ async def test_a_stopped_siblings_counts_vanish_after_its_lease(
             a.begin(a.workers()[0])
             await eventually(lambda: wb.inflight == 1)
         await eventually(lambda: wb.inflight == 0, timeout=5)
+        assert b.shared is not None and b.shared.peers == 0
 
 
 async def test_an_admin_change_reaches_the_other_process(
     stub_engine: StubFactory, tmp_path: Path
 ) -> None:
     stub = await stub_engine()
-    async with sibling(tmp_path) as a, sibling(tmp_path) as b:
-        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+    async with linked(tmp_path) as (a, b):
         a.add(WorkerSpec.parse(f"{stub.url};models=m"), source="admin")
         await eventually(lambda: b.get(stub.url) is not None)
         b.drain(stub.url)
         await eventually(lambda: a.candidates("m") == [])
         b.undrain(stub.url)
         await eventually(lambda: [w.id for w in a.candidates("m")] == [stub.url])
+        worker = b.get(stub.url)
+        assert worker is not None and not worker.draining
 
 
 async def test_a_process_started_later_loads_the_admin_workers(
@@ -122,6 +129,8 @@ async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
         await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
         buses[0].publish(b"t", b"hello")
         await eventually(lambda: heard == {"b": [b"hello"], "c": [b"hello"]})
+        await asyncio.sleep(0.1)  # a second copy would have come by now
+        assert heard == {"b": [b"hello"], "c": [b"hello"]}
     finally:
         for bus in buses:
             await bus.stop()
