@@ -6,6 +6,7 @@ Everything binds loopback. A process counts as up once an HTTP health URL answer
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -23,6 +24,9 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+KILL_WAIT_S = 60.0
+
+
 class ProcessExited(RuntimeError):
     """The process died before it became healthy."""
 
@@ -35,11 +39,8 @@ def _stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process and its live descendants, seconds.
-
-    A router under ``--processes`` (the default: one per core) serves from its children,
-    so the supervisor's own time would leave out nearly all of it."""
+def descendants(pid: int) -> set[int]:
+    """``pid`` and every live process below it, from one scan of /proc."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -53,8 +54,16 @@ def cpu_seconds(pid: int) -> float:
         children = [p for p, pp in parents.items() if pp == parent and p not in tree]
         tree.update(children)
         frontier.extend(children)
+    return tree
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process and its live descendants, seconds.
+
+    A router under ``--processes`` (the default: one per core) serves from its children,
+    so the supervisor's own time would leave out nearly all of it."""
     total = 0.0
-    for member in tree:
+    for member in descendants(pid):
         try:
             fields = _stat(member)
         except OSError:
@@ -194,14 +203,22 @@ class Server:
         try:
             self.proc.wait(timeout=self.stop_timeout_s)
         except subprocess.TimeoutExpired:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=5)
+            self.kill()
 
     def kill(self) -> None:
-        """Hard crash: no graceful shutdown."""
-        if self.proc is not None and self.proc.poll() is None:
-            self._signal(signal.SIGKILL)
-            self.proc.wait(timeout=5)
+        """Hard crash: no graceful shutdown. The process's children die with it (a router
+        supervisor's would otherwise live on, serving and probing), and the wait is long:
+        a killed router took over 5 s to be reaped beside a NixlConnector pair that kept
+        the CI machine's cores busy (2026-12-02)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if self.own_group:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        else:
+            for pid in descendants(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=KILL_WAIT_S)
 
     def __enter__(self) -> Server:
         return self.start() if self.proc is None else self

@@ -89,3 +89,13 @@ def test_a_server_in_its_own_group_stops_with_its_children() -> None:
     with Server([], port, argv=argv, own_group=True):
         assert not port_frees_within(port, 0.1)
     assert port_frees_within(port, 5.0)
+
+
+def test_a_killed_server_takes_its_children_with_it() -> None:
+    """Outside its own group too: a router supervisor's processes must not outlive it."""
+    port = free_port()
+    spawn = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', *sys.argv[1:]])"
+    argv = [sys.executable, "-c", f"{spawn}; import time; time.sleep(60)", HEALTH_SERVER, str(port)]
+    server = Server([], port, argv=argv).start()
+    server.kill()
+    assert port_frees_within(port, 5.0)

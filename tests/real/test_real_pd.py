@@ -19,7 +19,7 @@ import pytest
 from loadtest.prom import values
 from switchyard.realvllm import VllmEngine
 from tests.real.conftest import MODEL, reset_caches
-from tests.support import TOKENIZER_DIR, Server, free_port
+from tests.support import TOKENIZER_DIR, Server, free_port, one_process
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
@@ -47,6 +47,7 @@ def pd_router(pd_pair: list[VllmEngine]) -> Iterator[Server]:
     argv = ["router", "--port", str(port), "--pd-protocol", "vllm"]
     argv += ["--prefill", prefill.url, "--decode", decode.url]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", "--no-kv-parity"]
+    argv += one_process()
     # A cold router start took over a minute on a loaded two-core machine (2026-12-01).
     server = Server(argv, port, "/ready").start(timeout=180)
     yield server
