@@ -5,10 +5,12 @@ all running at once; the same streamed chat (a ~1,800-word system prompt, one of
 short questions) goes direct and through each router in turn, the order reversed every
 round. Client TTFT is the time to the first content delta. With nothing else in flight
 this isolates the router's own cost per first token from placement and from CPU
-contention under load. Usage::
+contention under load. ``--hogs N`` adds that contention alone: N busy-looping processes
+at the routers' priority for the measured rounds, as two busy engines give a router on a
+two-core machine, without the noise of batching with other requests. Usage::
 
     python -m bench.real_vllm_latency [--rounds 20] [--routers kv_aware,cache_aware,smg:cache_aware]
-        [--model-dir /tmp/benchmodel]
+        [--model-dir /tmp/benchmodel] [--hogs 0]
 
 Router processes follow ``SWITCHYARD_ROUTER_PROCESSES`` (default: one per core).
 """
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -58,6 +63,18 @@ def ttft_ms(client: httpx.Client, url: str, question: int) -> float:
     raise RuntimeError(f"{url}: the stream ended without content")
 
 
+@contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """``n`` processes that spin until the block ends."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+
+
 def router_means(router: RunningRouter) -> str:
     """Our router's own mean schedule time and time to first byte (empty for smg)."""
     if router.spec.kind != "switchyard":
@@ -79,6 +96,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--routers", default="kv_aware,cache_aware,smg:cache_aware")
     ap.add_argument("--model-dir", type=Path, default=None, help="build (or reuse) the model here")
+    ap.add_argument("--hogs", type=int, default=0, help="busy-looping processes while measuring")
     args = ap.parse_args()
     specs = [RouterSpec.parse(s) for s in args.routers.split(",") if s.strip()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,11 +120,15 @@ def main() -> None:
                     for question in range(3):
                         ttft_ms(client, url, question)
                 order = list(urls)
-                for round_ in range(args.rounds):
-                    for name in order if round_ % 2 == 0 else order[::-1]:
-                        results[name].append(ttft_ms(client, urls[name], round_))
+                with cpu_hogs(args.hogs):
+                    for round_ in range(args.rounds):
+                        for name in order if round_ % 2 == 0 else order[::-1]:
+                            results[name].append(ttft_ms(client, urls[name], round_))
             base = statistics.median(results["direct"])
-            print(f"client TTFT of a cached chat, {args.rounds} rounds, one request at a time:")
+            hogs = f", {args.hogs} busy processes beside it" if args.hogs else ""
+            print(
+                f"client TTFT of a cached chat, {args.rounds} rounds, one request at a time{hogs}:"
+            )
             for name, xs in results.items():
                 p50 = statistics.median(xs)
                 print(
