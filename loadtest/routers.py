@@ -1,7 +1,8 @@
 """Router configurations under comparison: ours by policy name, or a peer such as smg.
 
-A spec is ``policy`` (``switchyard router --policy policy``) or ``smg:policy`` (the
-smg router, only when the ``smg`` command is installed). A config that cannot start,
+A spec is ``policy`` (``switchyard router --policy policy``), ``policy@N`` (the same with
+``--processes N``) or ``smg:policy`` (the smg router, only when the ``smg`` command is
+installed). A config that cannot start,
 for example a policy this router does not know yet, is reported as unavailable with
 the reason it gave, instead of ending the whole comparison.
 """
@@ -33,12 +34,18 @@ class RouterSpec:
     label: str
     kind: str  # "switchyard" or "smg"
     policy: str
+    processes: int | None = None  # ours: --processes (None: its default)
 
     @classmethod
     def parse(cls, text: str) -> RouterSpec:
         kind, sep, policy = text.strip().partition(":")
         if not sep:
-            return cls(text.strip(), "switchyard", text.strip())
+            policy, at, count = text.strip().partition("@")
+            if not at:
+                return cls(text.strip(), "switchyard", policy)
+            if not count.isdigit() or int(count) < 1:
+                raise ValueError(f"{text!r}: the process count after @ must be a positive integer")
+            return cls(text.strip(), "switchyard", policy, int(count))
         if kind != "smg":
             raise ValueError(f"unknown router kind {kind!r} in {text!r} (use POLICY or smg:POLICY)")
         return cls(text.strip(), "smg", policy)
@@ -55,6 +62,8 @@ class RouterSpec:
             ]  # fmt: skip
         args = [sys.executable, "-m", "switchyard", "router", "--host", "127.0.0.1"]
         args += ["--port", str(port), "--policy", self.policy, "--log-level", "warning"]
+        if self.processes is not None:
+            args += ["--processes", str(self.processes)]
         for e in engines:
             args += ["--worker", e.url]
         if self.policy in PREFIX_POLICIES:

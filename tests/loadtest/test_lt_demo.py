@@ -38,3 +38,12 @@ def test_router_specs_name_ours_or_smg() -> None:
     )
     with pytest.raises(ValueError, match="unknown router kind"):
         RouterSpec.parse("nginx:round_robin")
+
+
+def test_a_router_spec_may_set_our_process_count() -> None:
+    spec = RouterSpec.parse("kv_aware@1")
+    assert spec == RouterSpec("kv_aware@1", "switchyard", "kv_aware", 1)
+    command = spec.command([], 8000, "tok")
+    assert command[command.index("--processes") + 1] == "1"
+    with pytest.raises(ValueError, match="positive integer"):
+        RouterSpec.parse("kv_aware@two")
