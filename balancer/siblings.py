@@ -7,6 +7,7 @@ process's in-flight counts every ``sibling_sync_interval_s`` (``SiblingShare``),
 registry changes at once, and the router's placements (``router.kv``). Delivery is
 PUB/SUB's: a message sent before a sibling connected is not seen by it. Counts are sent
 again on every sync, and the admin registry is also kept in a file a new process loads.
+Messages go out in batches, one ZMQ message every ``BATCH_S`` at most (``SiblingBus``).
 """
 
 from __future__ import annotations
@@ -37,15 +38,29 @@ Handler = Callable[[str, bytes], Awaitable[None] | None]
 COUNTS = b"counts"
 WORKER = b"worker"  # one worker's counts, sent as a request begins, starts decoding or ends
 REGISTRY = b"registry"
+# How long a message may wait for others to share its ZMQ message. Each send and each
+# receive is one wake-up of the siblings' loops and ZMQ threads: sent one by one (about
+# five a request: counts at begin, first token and end, the placement, new chat messages),
+# they cost a third as much CPU again as the requests themselves in a py-spy profile of
+# two processes (2026-12-02, bench.router_cpu multiturn). 2 ms is short next to any
+# prefill the counts announce.
+BATCH_S = 0.002
 
 
 class SiblingBus:
     """One process's end of the bus: ``publish`` to all siblings, ``on`` to hear them."""
 
-    def __init__(self, directory: str | Path, rescan_s: float = 0.1) -> None:
+    def __init__(
+        self, directory: str | Path, rescan_s: float = 0.1, batch_s: float = BATCH_S
+    ) -> None:
         self.directory = Path(directory)
         self.instance = uuid.uuid4().hex[:12]
         self.rescan_s = rescan_s
+        self.batch_s = batch_s
+        # Waiting messages as multipart frames (topic, payload, ...), and where a keyed one sits.
+        self._outbox: list[bytes] = []
+        self._keyed: dict[tuple[bytes, str], int] = {}
+        self._flush_at: asyncio.TimerHandle | None = None
         self._handlers: dict[bytes, Handler] = {}
         self._peers: set[Path] = set()
         self._pub: zmq.Socket[bytes] | None = None
@@ -84,6 +99,7 @@ class SiblingBus:
         ]
 
     async def stop(self) -> None:
+        self._flush()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -99,14 +115,39 @@ class SiblingBus:
             self._pub = None
             self.path.unlink(missing_ok=True)
 
-    def publish(self, topic: bytes, payload: bytes) -> None:
-        """Send to every connected sibling; never blocks (PUB drops at its high-water mark)."""
+    def publish(self, topic: bytes, payload: bytes, key: str | None = None) -> None:
+        """Send to every connected sibling within ``batch_s``; never blocks (PUB drops at
+        its high-water mark). A message with a ``key`` replaces a waiting one of the same
+        topic and key: only the latest state of that thing goes out, after the messages
+        queued before it."""
         if self._pub is None:
             return
+        if key is not None:
+            at = self._keyed.get((topic, key))
+            if at is not None:
+                self._outbox[at] = self._outbox[at + 1] = b""  # no topic: skipped
+            self._keyed[(topic, key)] = len(self._outbox)
+        self._outbox += (topic, payload)
+        if self._flush_at is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop to wait on: send now
+                self._flush()
+                return
+            self._flush_at = loop.call_later(self.batch_s, self._flush)
+
+    def _flush(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+        if not self._outbox or self._pub is None:
+            return
+        frames, self._outbox = [self.instance.encode(), *self._outbox], []
+        self._keyed.clear()
         try:
-            self._pub.send_multipart([topic, self.instance.encode(), payload], flags=zmq.NOBLOCK)
+            self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.debug("sibling bus full, %s message dropped", topic.decode())
+            log.debug("sibling bus full, %d messages dropped", (len(frames) - 1) // 2)
 
     def _scan(self) -> None:
         assert self._sub is not None
@@ -129,18 +170,20 @@ class SiblingBus:
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
-            if len(frames) != 3:
+            if len(frames) % 2 != 1:
                 continue
-            topic, origin, payload = frames
-            handler = self._handlers.get(topic)
-            if handler is None:
-                continue
-            try:
-                result = handler(origin.decode(), payload)
-                if inspect.isawaitable(result):
-                    await result
-            except Exception:
-                log.exception("sibling %s message from %s failed", topic.decode(), origin)
+            origin = frames[0].decode()
+            for i in range(1, len(frames), 2):
+                topic, payload = frames[i], frames[i + 1]
+                handler = self._handlers.get(topic)
+                if handler is None:
+                    continue
+                try:
+                    result = handler(origin, payload)
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:
+                    log.exception("sibling %s message from %s failed", topic.decode(), origin)
 
 
 class SiblingShare:
@@ -231,7 +274,7 @@ class SiblingShare:
         0.790 with no sync at all). ``begun_at`` goes along, so that every process rotates
         ties over the fleet's picks, not only its own."""
         ranks = [list(counters.local_tuple()) for counters in worker.ranks]
-        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks, worker.begun_at]))
+        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks, worker.begun_at]), key=worker.id)
 
     def _on_worker(self, origin: str, payload: bytes) -> None:
         worker_id, ranks, begun_at = orjson.loads(payload)

@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
 from balancer.siblings import SiblingBus, SiblingShare
@@ -134,3 +136,49 @@ async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
     finally:
         for bus in buses:
             await bus.stop()
+
+
+@asynccontextmanager
+async def listening(tmp_path: Path) -> AsyncIterator[tuple[SiblingBus, zmq.asyncio.Socket]]:
+    """A bus and a bare SUB socket on its PUB, to see the ZMQ messages themselves."""
+    bus = SiblingBus(tmp_path, rescan_s=0.05)
+    await bus.start()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{bus.path}")
+    await asyncio.sleep(0.2)  # the subscription reaches the PUB
+    try:
+        yield bus, sub
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+        await bus.stop()
+
+
+async def test_messages_published_together_travel_in_one_zmq_message(tmp_path: Path) -> None:
+    async with listening(tmp_path) as (bus, sub):
+        bus.publish(b"a", b"1")
+        bus.publish(b"b", b"2")
+        bus.publish(b"a", b"3")
+        frames = await asyncio.wait_for(sub.recv_multipart(), 5)
+        assert frames == [bus.instance.encode(), b"a", b"1", b"b", b"2", b"a", b"3"]
+
+
+async def test_a_keyed_message_replaces_the_waiting_one_and_goes_last(tmp_path: Path) -> None:
+    heard: list[tuple[bytes, bytes]] = []
+    receiver = SiblingBus(tmp_path, rescan_s=0.05)
+    receiver.on(b"w", lambda origin, payload: heard.append((b"w", payload)))
+    receiver.on(b"c", lambda origin, payload: heard.append((b"c", payload)))
+    await receiver.start()
+    try:
+        async with listening(tmp_path) as (bus, _):
+            await eventually(lambda: receiver.peers == 1)
+            await asyncio.sleep(0.2)
+            bus.publish(b"w", b"worker-1 old", key="worker-1")
+            bus.publish(b"c", b"counts")
+            bus.publish(b"w", b"worker-1 new", key="worker-1")
+            await eventually(lambda: len(heard) == 2)
+            assert heard == [(b"c", b"counts"), (b"w", b"worker-1 new")]
+    finally:
+        await receiver.stop()
