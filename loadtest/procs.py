@@ -24,6 +24,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 
 
+# How long a killed process may take to be reaped: a router took over 5 s beside a
+# NixlConnector pair that kept the CI machine's cores busy (2026-12-02).
 KILL_WAIT_S = 60.0
 
 
@@ -55,6 +57,18 @@ def descendants(pid: int) -> set[int]:
         tree.update(children)
         frontier.extend(children)
     return tree
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and every process below it, and reap it. Its children are found
+    first: once it is dead they belong to init (a router supervisor's processes would
+    live on, serving and probing)."""
+    if proc.poll() is not None:
+        return
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(timeout=KILL_WAIT_S)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -206,19 +220,9 @@ class Server:
             self.kill()
 
     def kill(self) -> None:
-        """Hard crash: no graceful shutdown. The process's children die with it (a router
-        supervisor's would otherwise live on, serving and probing), and the wait is long:
-        a killed router took over 5 s to be reaped beside a NixlConnector pair that kept
-        the CI machine's cores busy (2026-12-02)."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        if self.own_group:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        else:
-            for pid in descendants(self.proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.proc.wait(timeout=KILL_WAIT_S)
+        """Hard crash: no graceful shutdown; its children die with it (``kill_tree``)."""
+        if self.proc is not None:
+            kill_tree(self.proc)
 
     def __enter__(self) -> Server:
         return self.start() if self.proc is None else self

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from loadtest.fleet import Engine
-from loadtest.procs import ProcessExited, free_port_block, wait_http
+from loadtest.procs import ProcessExited, free_port_block, kill_tree, wait_http
 from mockengine.settings import DEFAULT_TOKENIZER
 
 # Policies that read prefixes: they get the tokenizer and each engine's KV-event endpoint.
@@ -86,14 +86,14 @@ class RunningRouter:
     log: IO[bytes] = field(repr=False)
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after 3 s (smg drains for several seconds otherwise)."""
+        """SIGTERM, then SIGKILL to it and its processes after 3 s (smg drains for several
+        seconds otherwise)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+                kill_tree(self.proc)
         self.log.close()
 
     def __enter__(self) -> RunningRouter:

@@ -42,7 +42,9 @@ def test_a_missing_ready_path_falls_back_to_the_fallback_url() -> None:
     port = free_port()
     with python_server(port):
         url = f"http://127.0.0.1:{port}"
-        wait_http(url + "/ready", 5.0, fallback_url=url + "/health")
+        with pytest.raises(TimeoutError):
+            wait_http(url + "/ready", 0.5)
+        wait_http(url + "/ready", 5.0, fallback_url=url + "/health")  # raises if it fails
 
 
 def test_a_child_that_dies_before_it_is_healthy_fails_at_once() -> None:
@@ -62,9 +64,12 @@ def test_a_failed_start_reports_the_childs_stderr() -> None:
 
 def test_a_port_block_is_free_end_to_end() -> None:
     base = free_port_block(4)
+    bound = []
     for port in range(base, base + 4):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+            bound.append(s.getsockname()[1])
+    assert bound == [base, base + 1, base + 2, base + 3]
 
 
 def port_frees_within(port: int, seconds: float) -> bool:
