@@ -78,7 +78,7 @@ class StubBackend:
         s = self.state
         s.requests += 1
         s.last_headers = {k.lower(): v for k, v in request.headers.items()}
-        s.last_body = await request.read()
+        raw = s.last_body = await request.read()
         if s.hang:
             await asyncio.sleep(3600)
         await asyncio.sleep(s.delay_s)
@@ -87,7 +87,7 @@ class StubBackend:
                 {"error": {"message": "stub failure", "type": "server_error", "code": s.status}},
                 status=s.status,
             )
-        body = orjson.loads(s.last_body)
+        body = orjson.loads(raw)  # not last_body: a concurrent request may have replaced it
         if not body.get("stream"):
             answer = {"id": "cmpl-stub", "object": "text_completion", "echo": body}
             if s.cut_after_chunks is None:
