@@ -106,6 +106,11 @@ class Fleet:
         self._prober = None
         await prober.stop()
 
+    @property
+    def prober(self) -> Prober | None:
+        """The probe loop while started."""
+        return self._prober
+
     def share_with_siblings(self, share: FleetShare) -> None:
         """Share counts and admin changes with the other processes of this router, unless
         Redis shares them with every replica (set before ``start``)."""

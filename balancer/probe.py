@@ -16,6 +16,10 @@ interval: the router's own count of its requests is the fresh load signal then. 
 first request sent to it asks for a scrape at once. Every interval is jittered by
 ±10% so the fleet's probes do not bunch, and at most ``_MAX_CONNECTIONS`` requests
 of the prober are in flight at once.
+
+The processes of one router scrape once for all: a scrape another process shares
+(``take``, from ``balancer.siblings``) stands for this process's own while it is fresh,
+and each scrape this process makes goes to ``on_scrape``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import contextlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -52,6 +57,9 @@ _MAX_CONNECTIONS = 64
 # Idle keep-alive connections to workers stay open this long, longer than a stretched
 # interval, so a probe of a large fleet reuses its connection instead of a new one.
 _KEEPALIVE_S = 75.0
+# A scrape taken from another process stands for this one's own for this many of its
+# intervals: the other's intervals are jittered too, and its message takes a moment.
+_TAKEN_FOR = 1.5
 
 
 class Prober:
@@ -67,6 +75,8 @@ class Prober:
         self._probe_asked: set[str] = set()
         self._rng = random.Random()
         self._slots = asyncio.Semaphore(_MAX_CONNECTIONS)
+        self._taken: dict[str, float] = {}  # when another process's scrape of a worker came
+        self.on_scrape: Callable[[Worker, list[Scrape]], None] | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S)
@@ -117,6 +127,14 @@ class Prober:
         self._wake.pop(worker_id, None)
         self._looked.pop(worker_id, None)
         self._probe_asked.discard(worker_id)
+        self._taken.pop(worker_id, None)
+
+    def take(self, worker: Worker, samples: list[Scrape]) -> None:
+        """Another process's scrape of ``worker``: applied as if made here, and this
+        process skips its own scrapes while such ones keep coming."""
+        if self._registered(worker):
+            apply_scrape(worker, samples)
+            self._taken[worker.id] = time.monotonic()
 
     def wake(self, worker: Worker) -> None:
         """Probe ``worker`` now rather than at its next interval (it just failed a connect)."""
@@ -170,14 +188,13 @@ class Prober:
                 )
             looked.set()
             if worker.healthy and now >= next_scrape:
-                await self._scrape(worker)
-                last_scrape = time.monotonic()
-                every = (
-                    s.scrape_interval_s
-                    if busy(worker)
-                    else stretched(s, s.scrape_interval_s, len(self._tasks))
-                )
-                next_scrape = last_scrape + self._jittered(every)
+                taken = self._taken.get(worker.id, float("-inf"))
+                if now - taken < self._scrape_every(worker) * _TAKEN_FOR:
+                    next_scrape = taken + self._jittered(self._scrape_every(worker)) * _TAKEN_FOR
+                else:
+                    await self._scrape(worker)
+                    last_scrape = time.monotonic()
+                    next_scrape = last_scrape + self._jittered(self._scrape_every(worker))
             wait = min(next_probe, next_scrape, next_models) - time.monotonic()
             # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a
             # set event (gh-86296), and ``demand`` sets it on every idle worker's request.
@@ -186,6 +203,12 @@ class Prober:
                     await event.wait()
             except TimeoutError:
                 pass
+
+    def _scrape_every(self, worker: Worker) -> float:
+        s = self.settings
+        if busy(worker):
+            return s.scrape_interval_s
+        return stretched(s, s.scrape_interval_s, len(self._tasks))
 
     async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
         assert self._session is not None
@@ -249,6 +272,8 @@ class Prober:
                 return
             samples.append(parse_metrics(body.decode("utf-8", "replace")))
         apply_scrape(worker, samples)
+        if self.on_scrape is not None:
+            self.on_scrape(worker, samples)
 
 
 def stretched(settings: BalancerSettings, base_s: float, workers: int) -> float:

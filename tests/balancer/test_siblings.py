@@ -12,18 +12,27 @@ import zmq
 import zmq.asyncio
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from balancer.scrape import Scrape
 from balancer.siblings import SiblingBus, SiblingShare
+from balancer.worker import Worker
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)
 
 
 @asynccontextmanager
-async def sibling(directory: Path, *specs: str) -> AsyncIterator[Fleet]:
-    """A started fleet on the bus in ``directory``, as one process of a router runs it."""
-    settings = BalancerSettings(sibling_sync_interval_s=0.02, lease_s=0.5)
+async def sibling(
+    directory: Path, *specs: str, name: str | None = None, scrape_interval_s: float = 1.0
+) -> AsyncIterator[Fleet]:
+    """A started fleet on the bus in ``directory``, as one process of a router runs it
+    (``name``: its bus instance, else a random one)."""
+    settings = BalancerSettings(
+        sibling_sync_interval_s=0.02, lease_s=0.5, scrape_interval_s=scrape_interval_s
+    )
     fleet = Fleet(settings, [WorkerSpec.parse(s) for s in specs])
     bus = SiblingBus(directory, rescan_s=0.05)
+    if name is not None:
+        bus.instance = name
     fleet.share_with_siblings(SiblingShare(fleet, bus))
     await bus.start()
     await fleet.start()
@@ -117,6 +126,56 @@ async def test_a_removed_worker_is_gone_for_a_process_started_later(
         a.remove(stub.url)
         async with sibling(tmp_path) as late:
             assert late.workers() == []
+
+
+METRICS = "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\n"
+
+
+def count_own_scrapes(fleet: Fleet) -> list[int]:
+    """A list whose one item counts the scrapes this process makes from now on."""
+    made = [0]
+    prober = fleet.prober
+    assert prober is not None and prober.on_scrape is not None
+    share = prober.on_scrape
+
+    def counted(worker: Worker, samples: list[Scrape]) -> None:
+        made[0] += 1
+        share(worker, samples)
+
+    prober.on_scrape = counted
+    return made
+
+
+async def test_one_process_scrapes_for_all_and_the_others_take_its_samples(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine(metrics=METRICS)
+    spec = f"{stub.url};models=m"
+    async with (
+        sibling(tmp_path, spec, name="p1", scrape_interval_s=0.05) as low,
+        sibling(tmp_path, spec, name="p2", scrape_interval_s=0.05) as high,
+    ):
+        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
+        made = {"low": count_own_scrapes(low), "high": count_own_scrapes(high)}
+        await asyncio.sleep(1.0)
+        assert made["low"][0] >= 10
+        assert made["high"][0] <= 1, "the higher-named process scrapes only without the lower"
+        sample = high.workers()[0].engine
+        assert sample is not None and (sample.running, sample.waiting) == (3, 2)
+
+
+async def test_a_process_scrapes_for_itself_once_the_scraping_sibling_is_gone(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine(metrics=METRICS)
+    spec = f"{stub.url};models=m"
+    async with sibling(tmp_path, spec, name="p2", scrape_interval_s=0.05) as high:
+        async with sibling(tmp_path, spec, name="p1", scrape_interval_s=0.05):
+            await eventually(lambda: high.shared is not None and high.shared.peers == 1)
+            made = count_own_scrapes(high)
+            await asyncio.sleep(0.5)
+            assert made[0] <= 1
+        await eventually(lambda: made[0] >= 5)
 
 
 async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
