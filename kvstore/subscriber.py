@@ -18,6 +18,7 @@ import zmq.asyncio
 
 from kvstore.events import EventDecodeError, decode_seq
 from kvstore.feed import Feed
+from switchyard.zmqrecv import messages
 
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
@@ -90,8 +91,7 @@ class Subscriber:
                     await self._catch_up(self.feed)
                 except Exception:
                     log.exception("%s: catching up failed", self.feed.instance)
-            while True:
-                frames = await sock.recv_multipart()
+            async for frames in messages(sock):
                 if len(frames) < 2:
                     continue
                 seq_frame, payload = frames[-2], frames[-1]
