@@ -70,6 +70,8 @@ class WrkResult:
     rps: float
     p50_ms: float
     p99_ms: float
+    requests: int = 0
+    errors: int = 0  # non-2xx answers and socket errors
 
 
 def _ms(text: str) -> float:
@@ -81,7 +83,9 @@ def _ms(text: str) -> float:
     return value * 1000
 
 
-def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
+def run_wrk(
+    url: str, connections: int, duration: int, lua: Path, path: str = "/v1/completions"
+) -> WrkResult:
     threads = max(1, min(2, connections))
     out = subprocess.run(
         [
@@ -92,7 +96,7 @@ def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
             "--latency",
             "-s",
             str(lua),
-            url + "/v1/completions",
+            url + path,
         ],
         capture_output=True,
         text=True,
@@ -101,15 +105,22 @@ def run_wrk(url: str, connections: int, duration: int, lua: Path) -> WrkResult:
     rps_m = re.search(r"Requests/sec:\s+([\d.]+)", out)
     p50_m = re.search(r"^\s+50%\s+([\d.]+\w+)", out, re.M)
     p99_m = re.search(r"^\s+99%\s+([\d.]+\w+)", out, re.M)
-    if not (rps_m and p50_m and p99_m):
+    total_m = re.search(r"(\d+) requests in", out)
+    if not (rps_m and p50_m and p99_m and total_m):
         raise RuntimeError(f"unexpected wrk output for {url}:\n{out}")
-    rps = float(rps_m.group(1))
-    p50 = _ms(p50_m.group(1))
-    p99 = _ms(p99_m.group(1))
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
+    socket = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if socket is not None:
+        errors += sum(int(n) for n in socket.groups())
     if errors:
-        print(f"  warning: {errors.group(1)} non-2xx responses from {url}")
-    return WrkResult(rps, p50, p99)
+        print(f"  warning: {errors} failed requests to {url}")
+    return WrkResult(
+        float(rps_m.group(1)),
+        _ms(p50_m.group(1)),
+        _ms(p99_m.group(1)),
+        int(total_m.group(1)),
+        errors,
+    )
 
 
 def process(argv: list[str], port: int, health_path: str) -> Server:
