@@ -188,9 +188,10 @@ class Prober:
                 )
             looked.set()
             if worker.healthy and now >= next_scrape:
+                every = self._scrape_every(worker)
                 taken = self._taken.get(worker.id, float("-inf"))
-                if now - taken < self._scrape_every(worker) * _TAKEN_FOR:
-                    next_scrape = taken + self._jittered(self._scrape_every(worker)) * _TAKEN_FOR
+                if now - taken < every * _TAKEN_FOR:
+                    next_scrape = taken + self._jittered(every) * _TAKEN_FOR
                 else:
                     await self._scrape(worker)
                     last_scrape = time.monotonic()

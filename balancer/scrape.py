@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -53,6 +54,17 @@ class Scrape:
     flavor: str | None = None
     total: EngineSample | None = None
     ranks: dict[int, EngineSample] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Scrape:
+        """A scrape as orjson wrote it (``OPT_NON_STR_KEYS``: rank keys as strings), the
+        form the processes of one router share it in."""
+        total = data["total"]
+        return cls(
+            flavor=data["flavor"],
+            total=None if total is None else EngineSample(**total),
+            ranks={int(rank): EngineSample(**sample) for rank, sample in data["ranks"].items()},
+        )
 
 
 def _vllm_capacity(labels: dict[str, str]) -> float | None:

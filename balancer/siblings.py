@@ -33,7 +33,7 @@ import zmq.asyncio
 
 from balancer.scrape import Scrape
 from balancer.shared import apply_change, fold_peers, fold_worker, own_counts
-from balancer.worker import EngineSample, Worker, WorkerSpec
+from balancer.worker import Worker, WorkerSpec
 from switchyard.zmqrecv import messages
 
 if TYPE_CHECKING:
@@ -358,7 +358,7 @@ class SiblingShare:
         worker_id, samples = orjson.loads(payload)
         worker = self.fleet.get(worker_id)
         if worker is not None:
-            prober.take(worker, [_scrape_of(item) for item in samples])
+            prober.take(worker, [Scrape.from_json(item) for item in samples])
 
     # Registry broadcast
 
@@ -411,13 +411,3 @@ class SiblingShare:
         except (OSError, orjson.JSONDecodeError):
             return []
         return stored if isinstance(stored, list) else []
-
-
-def _sample_of(data: dict[str, Any] | None) -> EngineSample | None:
-    return None if data is None else EngineSample(**data)
-
-
-def _scrape_of(data: dict[str, Any]) -> Scrape:
-    """A ``Scrape`` as orjson wrote it (rank keys as strings)."""
-    ranks = {int(rank): EngineSample(**sample) for rank, sample in data["ranks"].items()}
-    return Scrape(flavor=data["flavor"], total=_sample_of(data["total"]), ranks=ranks)
