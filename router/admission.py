@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
     from balancer.view import FleetView
     from balancer.worker import Worker
+    from router.httpclient import ConnectionPool
     from router.metrics import RouterMetrics
 
 log = logging.getLogger("switchyard.router.admission")
@@ -220,11 +221,11 @@ class Admission:
         self.calibrate = calibrate
         self._calibration: asyncio.Task[None] | None = None
 
-    def start(self, fleet: FleetView, session: aiohttp.ClientSession) -> None:
+    def start(self, fleet: FleetView, pool: ConnectionPool) -> None:
         """Calibrate the workers in the background when configured (start-up is not held)."""
         if self.calibrate:
             self._calibration = asyncio.get_running_loop().create_task(
-                calibrate(self.model, fleet, session), name="admission:calibrate"
+                calibrate(self.model, fleet, pool), name="admission:calibrate"
             )
 
     async def stop(self) -> None:
@@ -290,7 +291,7 @@ class Admission:
 async def calibrate(
     model: TTFTModel,
     fleet: FleetView,
-    session: aiohttp.ClientSession,
+    pool: ConnectionPool,
     *,
     wait_s: float = 30.0,
     timeout_s: float = 60.0,
@@ -305,8 +306,8 @@ async def calibrate(
             if worker.id in pending and worker.healthy and worker.models:
                 pending.discard(worker.id)
                 try:
-                    short = await _canary(session, worker, SHORT_CANARY_WORDS, timeout_s)
-                    long = await _canary(session, worker, LONG_CANARY_WORDS, timeout_s)
+                    short = await _canary(pool, worker, SHORT_CANARY_WORDS, timeout_s)
+                    long = await _canary(pool, worker, LONG_CANARY_WORDS, timeout_s)
                 except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
                     log.warning("TTFT calibration of %s failed: %s", worker.id, exc)
                     continue
@@ -323,7 +324,7 @@ async def calibrate(
 
 
 async def _canary(
-    session: aiohttp.ClientSession, worker: Worker, words: int, timeout_s: float
+    pool: ConnectionPool, worker: Worker, words: int, timeout_s: float
 ) -> tuple[float, float]:
     """(estimated prompt tokens, seconds to the answer) of one uncached one-token completion."""
     prompt = " ".join(os.urandom(2).hex() for _ in range(words))
@@ -332,13 +333,14 @@ async def _canary(
     )
     tokens = float(parse("/v1/completions", body, None).prompt_tokens_estimate)
     began = time.perf_counter()
-    async with session.post(
-        worker.url + "/v1/completions",
-        data=body,
-        headers={"content-type": "application/json"},
-        timeout=aiohttp.ClientTimeout(total=timeout_s),
-    ) as resp:
-        await resp.read()
-        if resp.status != 200:
-            raise ValueError(f"canary answered {resp.status}")
+    async with asyncio.timeout(timeout_s):
+        resp = await pool.post(
+            worker.url + "/v1/completions", body, {"content-type": "application/json"}
+        )
+        try:
+            await resp.read()
+        finally:
+            resp.close()
+    if resp.status != 200:
+        raise ValueError(f"canary answered {resp.status}")
     return tokens, time.perf_counter() - began

@@ -159,7 +159,7 @@ class RouterApp:
         if self.kv is not None:
             await self.kv.start()
         await self.fleet.start()
-        self.admission.start(self.fleet, self.relay.session)
+        self.admission.start(self.fleet, self.relay.pool)
 
     async def stop(self) -> None:
         await self.admission.stop()

@@ -22,6 +22,7 @@ from balancer.view import FleetView
 from balancer.worker import Outcome, Ticket, Worker
 from router.admission import Expected, TTFTModel
 from router.errors import RouterError, engine_error_body
+from router.httpclient import Response
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
@@ -274,7 +275,7 @@ class Forwarder:
         raise _Retry(f"status_{status}")
 
     async def _relay_whole(
-        self, resp: aiohttp.ClientResponse, request_id: bytes, send: Send, worker: Worker
+        self, resp: Response, request_id: bytes, send: Send, worker: Worker
     ) -> None:
         """The last worker's 502/503 goes to the client as it answered."""
         body = await self.relay.read_all(resp)
@@ -285,7 +286,7 @@ class Forwarder:
     async def _relay_response(
         self,
         req: RoutedRequest,
-        resp: aiohttp.ClientResponse,
+        resp: Response,
         request_id: bytes,
         send: Send,
         clocks: tuple[float, float],
@@ -305,8 +306,7 @@ class Forwarder:
         out_headers = response_headers(resp, request_id)
         out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
         ttft = self.metrics.child(self.metrics.ttft, req.route)
-        content_type = resp.headers.get("Content-Type", "")
-        if content_type.startswith("text/event-stream"):
+        if resp.content_type.startswith(b"text/event-stream"):
             wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
             try:
                 first = await self.relay.first_chunk(resp, wait_s)

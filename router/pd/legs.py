@@ -50,10 +50,13 @@ async def call_json(
     try:
         with call:
             async with asyncio.timeout(timeout_s):
-                async with relay.session.post(call.url, data=body, headers=call.headers) as resp:
+                resp = await relay.pool.post(call.url, body, call.headers)
+                try:
                     status = resp.status
                     call.head(status)
                     raw = await resp.read()
+                finally:
+                    resp.close()
             fleet.first_token(call.ticket)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         raise _failed(worker, call.outcome, exc, timeout_s) from None

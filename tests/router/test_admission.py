@@ -8,13 +8,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from balancer.worker import EngineSample
 from router.admission import STREAM, WHOLE, Admission, TTFTModel, calibrate
 from router.errors import RouterError
+from router.httpclient import ConnectionPool
 from router.metrics import RouterMetrics
 from router.scheduler.framework import Context
 from tests.router.test_kv_scheduling import FakeLoad, FakeWorker
@@ -157,8 +157,9 @@ class OneWorkerFleet:
 async def test_startup_calibration_learns_a_worker_s_rate(slow_engine: str) -> None:
     model = TTFTModel(prior_tokens_per_s=1e9)
     fleet = OneWorkerFleet(Worker("a", url=slow_engine))
-    async with aiohttp.ClientSession() as session:
-        await calibrate(model, fleet, session, wait_s=5)  # type: ignore[arg-type]
+    pool = ConnectionPool(connect_timeout_s=1.0)
+    await calibrate(model, fleet, pool, wait_s=5)  # type: ignore[arg-type]
+    await pool.close()
     # 5 characters a word, 4 characters a token: 1 ms per 100 characters is 40 us a token.
     assert model.s_per_token("a", STREAM) == pytest.approx(40e-6, rel=0.5)
     assert model.s_per_token("a", WHOLE) == model.s_per_token("a", STREAM)

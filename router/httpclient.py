@@ -1,0 +1,362 @@
+"""The data plane's HTTP/1.1 client: kept-alive connections per worker, parsed by httptools.
+
+A router call is one POST with a body already in memory, to a worker it talks to all
+the time; its answer is relayed as bytes. That needs far less than a general client:
+no cookies, redirects, proxies, decompression or per-request header objects. aiohttp's
+client was 43% of the router's CPU per request on ``bench.overhead``'s fixed backend
+(py-spy, 2026-12-03, one process, ``ClientSession._request``, its writer and reader).
+
+Failures raise aiohttp's exception classes, which the rest of the router (probes,
+parity checks) meets from aiohttp itself, so ``router.upstream.outcome_of`` classifies
+both alike: refused or unresolvable is an ``OSError``; closed before the response head
+is ``aiohttp.ServerDisconnectedError``; broken after it is ``aiohttp.ClientPayloadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ssl
+import time
+from collections import deque
+from typing import cast
+from urllib.parse import urlsplit
+
+import aiohttp
+import httptools
+
+# Body bytes buffered from a worker before its socket is no longer read (a slow client).
+_HIGH_WATER_BYTES = 1 << 20
+# Above this, a request's head and body are handed to the transport apart (no copy).
+_JOIN_BODY_BYTES = 64 * 1024
+
+
+@functools.lru_cache(maxsize=4096)
+def _target(url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
+    """(origin, Host header, request path) of ``url``; the router calls few distinct URLs."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise aiohttp.InvalidURL(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return (parts.scheme, parts.hostname, port), parts.netloc.encode("idna"), path.encode()
+
+
+class Response:
+    """A worker's answer: its head, then its body as it arrives (``readany``)."""
+
+    __slots__ = ("status", "raw_headers", "_conn", "_chunks", "_size", "_done", "_error", "_waiter")
+
+    def __init__(self, conn: _Connection) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self._conn: _Connection | None = conn
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._done = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def content_type(self) -> bytes:
+        for name, value in self.raw_headers:
+            if name.lower() == b"content-type":
+                return value
+        return b""
+
+    async def readany(self) -> bytes:
+        """What has arrived of the body since the last read (waiting for some); b"" at its end."""
+        while not self._chunks:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return b""
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        if self._conn is not None:
+            self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The rest of the body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        """Done with the answer: an unfinished one closes its connection (not reusable)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and not self._done:
+            conn.abort()
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > _HIGH_WATER_BYTES and self._conn is not None:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self._done or self._error is not None:
+            return
+        if error is None:
+            self._done = True
+            self._conn = None
+        else:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive connection to one origin, answering one request at a time."""
+
+    def __init__(self, pool: ConnectionPool, origin: tuple[str, str, int]) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: Response | None = None
+        self.head: asyncio.Future[Response] | None = None
+        self.received = False  # any byte of the current answer
+        self.closed = False
+        self.paused = False
+        self.idle_since = 0.0
+
+    def send(self, head: bytes, body: bytes) -> asyncio.Future[Response]:
+        """Write a request; the future resolves with its response at the head."""
+        assert self.transport is not None
+        self.response = Response(self)
+        self.received = False
+        self.head = self.pool.loop.create_future()
+        if len(body) > _JOIN_BODY_BYTES:
+            self.transport.writelines((head, body))
+        else:
+            self.transport.write(head + body)
+        return self.head
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+        self.pool._lost(self)
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        if self.response is None:  # bytes nobody asked for: the connection is not reusable
+            self.abort()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed answer: {exc}")
+            self.abort()
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        response = self.response
+        if response is not None and not response._done:
+            if self.head is not None and self.head.done() and _ends_at_close(response):
+                response._finish()
+            else:
+                self._fail(f"connection lost: {exc}" if exc else "connection closed by the worker")
+        self.response = None
+        self.pool._lost(self)
+
+    # httptools callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        response, head = self.response, self.head
+        assert response is not None and head is not None
+        response.status = self.parser.get_status_code()
+        if not head.done():
+            head.set_result(response)
+
+    def on_body(self, body: bytes) -> None:
+        if self.response is not None:
+            self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        response = self.response
+        if response is None:
+            return
+        keep = self.parser.should_keep_alive()
+        self.response = None
+        response._finish()
+        self.resume()
+        if keep and not self.closed:
+            self.pool._release(self)
+        else:
+            self.abort()
+
+    def _fail(self, reason: str) -> None:
+        head, response = self.head, self.response
+        if head is not None and not head.done():
+            head.set_exception(aiohttp.ServerDisconnectedError(reason))
+        elif response is not None:
+            response._finish(aiohttp.ClientPayloadError(reason))
+
+
+def _ends_at_close(response: Response) -> bool:
+    """A body with neither a length nor chunks runs until the connection closes."""
+    for name, value in response.raw_headers:
+        lowered = name.lower()
+        if lowered == b"content-length" or (
+            lowered == b"transfer-encoding" and b"chunked" in value.lower()
+        ):
+            return False
+    return True
+
+
+class ConnectionPool:
+    """Kept-alive connections per origin (scheme, host, port), at most ``max_per_origin``
+    open at once (0: unbounded); an idle one is closed after ``keepalive_s``."""
+
+    def __init__(
+        self, *, connect_timeout_s: float, max_per_origin: int = 0, keepalive_s: float = 60.0
+    ) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self.max_per_origin = max_per_origin
+        self.keepalive_s = keepalive_s
+        self.loop = asyncio.get_running_loop()
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._open: dict[tuple[str, str, int], set[_Connection]] = {}
+        self._waiters: dict[tuple[str, str, int], deque[asyncio.Future[None]]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+        """POST ``body`` with ``headers`` (plus Host and Content-Length); the response at its
+        head. A kept-alive connection that the worker had closed is replaced once."""
+        origin, host, path = _target(url)
+        lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: "]
+        lines.append(b"%d\r\n" % len(body))
+        for name, value in headers.items():
+            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        lines.append(b"\r\n")
+        head = b"".join(lines)
+        conn, reused = await self._acquire(origin)
+        try:
+            return await conn.send(head, body)
+        except aiohttp.ServerDisconnectedError:
+            if not reused or conn.received:
+                raise
+        except BaseException:
+            conn.abort()
+            raise
+        conn, _ = await self._acquire(origin, fresh=True)
+        try:
+            return await conn.send(head, body)
+        except BaseException:
+            conn.abort()
+            raise
+
+    async def close(self) -> None:
+        for conns in list(self._open.values()):
+            for conn in list(conns):
+                conn.abort()
+        self._idle.clear()
+
+    async def _acquire(
+        self, origin: tuple[str, str, int], fresh: bool = False
+    ) -> tuple[_Connection, bool]:
+        """A connection to ``origin`` and whether it served an earlier request."""
+        while True:
+            idle = self._idle.get(origin)
+            now = time.monotonic()
+            while idle and not fresh:
+                conn = idle.pop()
+                if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                    return conn, True
+                conn.abort()
+            opened = self._open.setdefault(origin, set())
+            if not self.max_per_origin or len(opened) < self.max_per_origin:
+                return await self._connect(origin, opened), False
+            if fresh and idle:
+                idle.pop(0).abort()
+                continue
+            waiter = self.loop.create_future()
+            self._waiters.setdefault(origin, deque()).append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake(origin)  # pass on the turn it was given
+                raise
+
+    async def _connect(self, origin: tuple[str, str, int], opened: set[_Connection]) -> _Connection:
+        scheme, host, port = origin
+        conn = _Connection(self, origin)
+        opened.add(conn)
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                await self.loop.create_connection(
+                    lambda: conn, host, port, ssl=self._tls() if scheme == "https" else None
+                )
+        except TimeoutError:
+            conn.abort()
+            raise aiohttp.ServerTimeoutError(f"connect to {host}:{port} timed out") from None
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        return self._ssl
+
+    def _release(self, conn: _Connection) -> None:
+        conn.idle_since = time.monotonic()
+        self._idle.setdefault(conn.origin, []).append(conn)
+        self._wake(conn.origin)
+
+    def _lost(self, conn: _Connection) -> None:
+        opened = self._open.get(conn.origin)
+        if opened is not None and conn in opened:
+            opened.discard(conn)
+            self._wake(conn.origin)
+
+    def _wake(self, origin: tuple[str, str, int]) -> None:
+        waiters = self._waiters.get(origin)
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return

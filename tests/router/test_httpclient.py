@@ -1,0 +1,240 @@
+"""The data plane's HTTP/1.1 client, against scripted servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+
+from router.httpclient import ConnectionPool
+from tests.support import free_port
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Worker"], Awaitable[None]]
+
+
+@dataclass
+class Worker:
+    """A scripted server: ``script`` runs per connection; ``requests`` holds each request head."""
+
+    script: Script
+    url: str = ""
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def request(self, reader: asyncio.StreamReader) -> bytes:
+        """Read one request (head and Content-Length body); b"" if the client closed."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return b""
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        await reader.readexactly(length)
+        self.requests.append(head)
+        return head
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[[Script], Awaitable[Worker]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(script: Script) -> Worker:
+        worker = Worker(script)
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            worker.connections += 1
+            try:
+                await script(reader, writer, worker)
+            finally:
+                writer.close()
+                worker.closed.set()
+
+        port = free_port()
+        servers.append(await asyncio.start_server(handle, "127.0.0.1", port))
+        worker.url = f"http://127.0.0.1:{port}/v1/completions"
+        return worker
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ConnectionPool]:
+    pool = ConnectionPool(connect_timeout_s=1.0)
+    yield pool
+    await pool.close()
+
+
+async def answer_ok(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+    while await worker.request(r):
+        w.write(OK)
+
+
+async def test_sequential_requests_share_one_kept_alive_connection(serve, pool) -> None:
+    worker = await serve(answer_ok)
+    for _ in range(3):
+        resp = await pool.post(worker.url, b'{"a":1}', {"content-type": "application/json"})
+        assert (resp.status, await resp.read()) == (200, b"{}")
+    assert worker.connections == 1
+    assert len(worker.requests) == 3
+
+
+async def test_request_carries_host_length_and_the_given_headers(serve, pool) -> None:
+    worker = await serve(answer_ok)
+    resp = await pool.post(worker.url, b"12345", {"x-request-id": "r1"})
+    await resp.read()
+    head = worker.requests[0]
+    assert head.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    host = worker.url.split("/")[2].encode()
+    assert b"\r\nHost: " + host + b"\r\n" in head
+    assert b"\r\nContent-Length: 5\r\n" in head
+    assert b"\r\nx-request-id: r1\r\n" in head
+
+
+async def test_chunks_of_a_stream_are_read_as_they_arrive(serve, pool) -> None:
+    release = asyncio.Event()
+
+    async def stream(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+        w.write(b"Transfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await release.wait()
+        w.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await w.drain()
+
+    worker = await serve(stream)
+    resp = await pool.post(worker.url, b"{}", {})
+    assert resp.content_type == b"text/event-stream"
+    assert await resp.readany() == b"first"
+    release.set()
+    assert await resp.read() == b"second"
+    assert await resp.readany() == b""
+
+
+async def test_a_body_without_length_ends_when_the_worker_closes(serve, pool) -> None:
+    async def until_close(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        await w.drain()
+
+    worker = await serve(until_close)
+    resp = await pool.post(worker.url, b"{}", {})
+    assert await resp.read() == b"all of it"
+
+
+async def test_an_answer_cut_after_its_head_raises_a_payload_error(serve, pool) -> None:
+    async def cut(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
+        await w.drain()
+
+    worker = await serve(cut)
+    resp = await pool.post(worker.url, b"{}", {})
+    assert await resp.readany() == b"part"
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.readany()
+
+
+async def test_a_worker_that_closes_before_answering_is_a_disconnect(serve, pool) -> None:
+    async def hang_up(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+
+    worker = await serve(hang_up)
+    with pytest.raises(aiohttp.ServerDisconnectedError):
+        await pool.post(worker.url, b"{}", {})
+
+
+async def test_a_refused_connection_raises_an_os_error(pool) -> None:
+    with pytest.raises(OSError):
+        await pool.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {})
+
+
+async def test_a_kept_alive_connection_the_worker_dropped_is_replaced_once(serve, pool) -> None:
+    async def once_per_connection(
+        r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker
+    ) -> None:
+        await worker.request(r)
+        w.write(OK)
+        await worker.request(r)  # read, then dropped unanswered: closed as it came
+
+    worker = await serve(once_per_connection)
+    first = await pool.post(worker.url, b"{}", {})
+    await first.read()
+    second = await pool.post(worker.url, b"{}", {})
+    assert (second.status, await second.read()) == (200, b"{}")
+    assert worker.connections == 2
+
+
+async def test_connections_per_worker_are_capped(serve) -> None:
+    async def slow(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        while await worker.request(r):
+            await asyncio.sleep(0.05)
+            w.write(OK)
+
+    worker = await serve(slow)
+    pool = ConnectionPool(connect_timeout_s=1.0, max_per_origin=1)
+
+    async def one() -> bytes:
+        resp = await pool.post(worker.url, b"{}", {})
+        return await resp.read()
+
+    assert await asyncio.gather(one(), one(), one()) == [b"{}"] * 3
+    assert worker.connections == 1
+    await pool.close()
+
+
+async def test_an_answer_left_unfinished_closes_its_connection(serve, pool) -> None:
+    async def endless(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        while await worker.request(r):
+            w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        # the client left mid-answer: this connection is over
+
+    worker = await serve(endless)
+    resp = await pool.post(worker.url, b"{}", {})
+    assert await resp.readany() == b"abc"
+    resp.close()
+    await asyncio.wait_for(worker.closed.wait(), 2)
+    again = await pool.post(worker.url, b"{}", {})
+    again.close()
+    assert worker.connections == 2
+
+
+async def test_cancelling_a_request_closes_its_connection(serve, pool) -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        await r.read()  # until the client closes
+
+    worker = await serve(silent)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.2):
+            await pool.post(worker.url, b"{}", {})
+    await asyncio.wait_for(worker.closed.wait(), 2)
+
+
+async def test_a_large_answer_read_slowly_arrives_whole(serve, pool) -> None:
+    payload = bytes(range(256)) * (12 * 1024)  # 3 MiB, past the read-pause mark
+
+    async def large(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        while await worker.request(r):
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+            await w.drain()
+
+    worker = await serve(large)
+    for _ in range(2):  # the second on the same connection, once the first was read
+        resp = await pool.post(worker.url, b"{}", {})
+        parts = []
+        while chunk := await resp.readany():
+            parts.append(chunk)
+            await asyncio.sleep(0.001)
+        assert b"".join(parts) == payload
+    assert worker.connections == 1
