@@ -8,6 +8,7 @@ The engines get ``Authorization`` only as the router's own ``worker_api_key``.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 # Longest client ``x-request-id`` echoed and forwarded; a longer one is replaced.
@@ -39,5 +40,11 @@ def valid_request_id(value: bytes) -> bool:
 
 
 def new_request_id() -> bytes:
-    """An id for a request that brought none (or one the router would not echo)."""
-    return os.urandom(16).hex().encode()
+    """An id for a request that brought none (or one the router would not echo): this
+    process's random prefix and a count, 32 hex digits. One ``os.urandom`` a request was
+    a system call each (1.2% of two router processes' CPU, py-spy 2026-12-03)."""
+    return b"%s%016x" % (_ID_PREFIX, next(_ID_COUNT))
+
+
+_ID_PREFIX = os.urandom(8).hex().encode()  # each router process imports this anew
+_ID_COUNT = itertools.count()

@@ -60,6 +60,16 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
 
     @property
+    def ready(self) -> bool:
+        """``readany`` would answer at once (body bytes waiting, the end, or the failure)."""
+        return bool(self._chunks) or self._done or self._error is not None
+
+    @property
+    def finished(self) -> bool:
+        """The whole body has arrived."""
+        return self._done
+
+    @property
     def content_type(self) -> bytes:
         for name, value in self.raw_headers:
             if name.lower() == b"content-type":
@@ -234,6 +244,11 @@ class _Connection(asyncio.Protocol):
             response._finish(aiohttp.ClientPayloadError(reason))
 
 
+def _expire(answer: asyncio.Future[Response]) -> None:
+    if not answer.done():
+        answer.set_exception(TimeoutError())
+
+
 def _ends_at_close(response: Response) -> bool:
     """A body with neither a length nor chunks runs until the connection closes."""
     for name, value in response.raw_headers:
@@ -261,9 +276,12 @@ class ConnectionPool:
         self._waiters: dict[tuple[str, str, int], deque[asyncio.Future[None]]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def post(
+        self, url: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
+    ) -> Response:
         """POST ``body`` with ``headers`` (plus Host and Content-Length); the response at its
-        head. A kept-alive connection that the worker had closed is replaced once."""
+        head, within ``timeout_s`` (else ``TimeoutError``). A kept-alive connection that the
+        worker had closed is replaced once."""
         origin, host, path = _target(url)
         lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: "]
         lines.append(b"%d\r\n" % len(body))
@@ -271,21 +289,31 @@ class ConnectionPool:
             lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
         lines.append(b"\r\n")
         head = b"".join(lines)
-        conn, reused = await self._acquire(origin)
+        deadline = None if timeout_s is None else self.loop.time() + timeout_s
+        conn, reused = await self._acquire(origin, deadline)
         try:
-            return await conn.send(head, body)
+            return await self._exchange(conn, head, body, deadline)
         except aiohttp.ServerDisconnectedError:
             if not reused or conn.received:
                 raise
-        except BaseException:
-            conn.abort()
-            raise
-        conn, _ = await self._acquire(origin, fresh=True)
+        conn, _ = await self._acquire(origin, deadline, fresh=True)
+        return await self._exchange(conn, head, body, deadline)
+
+    async def _exchange(
+        self, conn: _Connection, head: bytes, body: bytes, deadline: float | None
+    ) -> Response:
+        """Send on ``conn`` and wait for the answer's head; a timer, not an
+        ``asyncio.timeout`` (one object and a reschedule less a request)."""
+        answer = conn.send(head, body)
+        timer = None if deadline is None else self.loop.call_at(deadline, _expire, answer)
         try:
-            return await conn.send(head, body)
+            return await answer
         except BaseException:
             conn.abort()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def close(self) -> None:
         for conns in list(self._open.values()):
@@ -294,9 +322,22 @@ class ConnectionPool:
         self._idle.clear()
 
     async def _acquire(
-        self, origin: tuple[str, str, int], fresh: bool = False
+        self, origin: tuple[str, str, int], deadline: float | None, fresh: bool = False
     ) -> tuple[_Connection, bool]:
-        """A connection to ``origin`` and whether it served an earlier request."""
+        """A connection to ``origin`` and whether it served an earlier request; connecting
+        or waiting for a free one ends at ``deadline`` (loop time) with ``TimeoutError``."""
+        idle = self._idle.get(origin)
+        if idle and not fresh:
+            conn = idle.pop()
+            if not conn.closed and time.monotonic() - conn.idle_since < self.keepalive_s:
+                return conn, True
+            conn.abort()
+        async with asyncio.timeout_at(deadline):
+            return await self._wait_or_connect(origin, fresh)
+
+    async def _wait_or_connect(
+        self, origin: tuple[str, str, int], fresh: bool
+    ) -> tuple[_Connection, bool]:
         while True:
             idle = self._idle.get(origin)
             now = time.monotonic()

@@ -75,13 +75,14 @@ class Relay:
         (default and cap: ``first_byte_timeout_s``)."""
         limit = self.first_byte_timeout_s if timeout_s is None else timeout_s
         try:
-            async with asyncio.timeout(limit):
-                return await self.pool.post(url, body, headers)
+            return await self.pool.post(url, body, headers, limit)
         except TimeoutError:
             raise UpstreamTimeout(f"no response from {url} within {limit:.1f}s") from None
 
     async def first_chunk(self, resp: Response, timeout_s: float) -> bytes:
         """The first body chunk of a stream (b"" if the stream is empty), within ``timeout_s``."""
+        if resp.ready:
+            return await resp.readany()
         try:
             async with asyncio.timeout(max(timeout_s, 0.0)):
                 return await resp.readany()
@@ -89,6 +90,8 @@ class Relay:
             raise UpstreamTimeout(f"no first token within {timeout_s:.1f}s") from None
 
     async def read_all(self, resp: Response) -> bytes:
+        if resp.finished:  # a short answer comes with its head: no timer needed
+            return await resp.read()
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 return await resp.read()

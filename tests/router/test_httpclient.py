@@ -238,3 +238,16 @@ async def test_a_large_answer_read_slowly_arrives_whole(serve, pool) -> None:
             await asyncio.sleep(0.001)
         assert b"".join(parts) == payload
     assert worker.connections == 1
+
+
+async def test_no_answer_head_within_the_timeout_raises_and_closes_the_connection(
+    serve, pool
+) -> None:
+    async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        await r.read()
+
+    worker = await serve(silent)
+    with pytest.raises(TimeoutError):
+        await pool.post(worker.url, b"{}", {}, timeout_s=0.2)
+    await asyncio.wait_for(worker.closed.wait(), 2)
