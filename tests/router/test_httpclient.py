@@ -121,24 +121,27 @@ async def test_chunks_of_a_stream_are_read_as_they_arrive(serve, pool) -> None:
     assert await resp.readany() == b""
 
 
-async def test_a_body_without_length_ends_when_the_worker_closes(serve, pool) -> None:
-    async def until_close(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+def answer_then_close(raw: bytes) -> Script:
+    """A worker that answers one request with ``raw`` and closes the connection."""
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
         await worker.request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+        w.write(raw)
         await w.drain()
 
-    worker = await serve(until_close)
+    return script
+
+
+async def test_a_body_without_length_ends_when_the_worker_closes(serve, pool) -> None:
+    worker = await serve(
+        answer_then_close(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
+    )
     resp = await pool.post(worker.url, b"{}", {})
     assert await resp.read() == b"all of it"
 
 
 async def test_an_answer_cut_after_its_head_raises_a_payload_error(serve, pool) -> None:
-    async def cut(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
-        await worker.request(r)
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart")
-        await w.drain()
-
-    worker = await serve(cut)
+    worker = await serve(answer_then_close(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart"))
     resp = await pool.post(worker.url, b"{}", {})
     assert await resp.readany() == b"part"
     with pytest.raises(aiohttp.ClientPayloadError):
@@ -146,10 +149,7 @@ async def test_an_answer_cut_after_its_head_raises_a_payload_error(serve, pool) 
 
 
 async def test_a_worker_that_closes_before_answering_is_a_disconnect(serve, pool) -> None:
-    async def hang_up(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
-        await worker.request(r)
-
-    worker = await serve(hang_up)
+    worker = await serve(answer_then_close(b""))
     with pytest.raises(aiohttp.ServerDisconnectedError):
         await pool.post(worker.url, b"{}", {})
 
