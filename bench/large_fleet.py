@@ -80,7 +80,12 @@ def rss_mib(pid: int) -> float:
 
 def buckets(text: str) -> dict[float, float]:
     """Cumulative counts of the schedule histogram by upper bound."""
-    return {float(s.labels["le"]): s.value for s in samples(text) if s.name == SCHEDULE + "_bucket"}
+    buckets: dict[float, float] = {}
+    for s in samples(text, SCHEDULE + "_bucket"):
+        if s.name == SCHEDULE + "_bucket":  # summed over the turn label
+            bound = float(s.labels["le"])
+            buckets[bound] = buckets.get(bound, 0.0) + s.value
+    return buckets
 
 
 def quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:

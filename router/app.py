@@ -341,7 +341,7 @@ class RouterApp:
         objective = self.admission.objective_s(ctx, slo_header)
         if objective is not None:
             await self.admission.admit(ctx, ranked, objective, req.stream)
-        self.metrics.schedule.observe(time.perf_counter() - began)
+        self.metrics.child(self.metrics.schedule, req.turn).observe(time.perf_counter() - began)
         return ctx, ranked
 
     def _count_decision(self, ctx: Context, first: Worker) -> None:

@@ -94,7 +94,10 @@ class RouterMetrics(LabelCache):
         )
         self.schedule = Histogram(
             "switchyard_router_schedule_seconds",
-            "Time to choose a worker: tokenization, KV lookup, scoring and admission.",
+            "Time to choose a worker: tokenization, KV lookup, scoring and admission; by "
+            "turn: 'first' (a chat with no assistant message yet), 'later' (one with "
+            "earlier answers, whose history the router has mostly seen), 'prompt' (no chat).",
+            ["turn"],
             buckets=_SCHEDULE_BUCKETS,
             registry=r,
         )

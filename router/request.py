@@ -38,6 +38,15 @@ class RoutedRequest:
     def prompt_tokens_estimate(self) -> int:
         return self.prompt_chars // CHARS_PER_TOKEN + 1
 
+    @property
+    def turn(self) -> str:
+        """'first' for a chat with no assistant message, 'later' for one with earlier
+        answers, 'prompt' for a completion or an embedding (``parse`` checked the shape)."""
+        if self.route != CHAT:
+            return "prompt"
+        messages = self.data["messages"]
+        return "later" if any(m["role"] == "assistant" for m in messages) else "first"
+
 
 def parse(
     route: str, body: bytes, session_header: str | None, transfer_fields: bool = False
