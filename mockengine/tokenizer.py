@@ -46,7 +46,7 @@ class ModelTokenizer:
         self._specials = {
             t.content: i
             for i, t in self._tok.get_added_tokens_decoder().items()
-            if t.special and not (t.lstrip or t.rstrip or t.single_word)
+            if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)
         }
         self._split = (
             re.compile("(" + "|".join(map(re.escape, self._specials)) + ")")
@@ -57,10 +57,10 @@ class ModelTokenizer:
         self._piece_tokens = 0
 
     def encode(self, text: str) -> list[int]:
-        """The same ids as ``Tokenizer.encode`` (no added specials), text between special
-        tokens taken from a cache when a prompt repeats it: a chat's earlier turns are
-        tokenized once, as vLLM's and SGLang's tokenizers do not, but the mock is not
-        measured on its tokenizer. Exact because a special token that takes no neighbouring
+        """The same ids as ``Tokenizer.encode`` (no added specials), with the text between
+        special tokens taken from a cache when a prompt repeats it, so a chat's earlier turns
+        are tokenized once. Engines do not cache this; the mock's tokenizing is not what it
+        models. Exact because a special token matched as written and taking no neighbouring
         whitespace splits the text before the model sees it. Tokenizing every prompt whole
         was 75% of the mock fleet's CPU under ``bench.kv_throughput`` (2026-12-03)."""
         parts = self._split.split(text) if self._split is not None else [text]
