@@ -326,31 +326,37 @@ class ConnectionPool:
     ) -> tuple[_Connection, bool]:
         """A connection to ``origin`` and whether it served an earlier request; connecting
         or waiting for a free one ends at ``deadline`` (loop time) with ``TimeoutError``."""
-        idle = self._idle.get(origin)
-        if idle and not fresh:
-            conn = idle.pop()
-            if not conn.closed and time.monotonic() - conn.idle_since < self.keepalive_s:
-                return conn, True
-            conn.abort()
+        conn = None if fresh else self._take_idle(origin)
+        if conn is not None:  # the usual case: no timeout context entered
+            return conn, True
         async with asyncio.timeout_at(deadline):
             return await self._wait_or_connect(origin, fresh)
+
+    def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
+        """The latest idle connection still open and within ``keepalive_s``; older ones
+        found on the way are closed."""
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.abort()
+        return None
 
     async def _wait_or_connect(
         self, origin: tuple[str, str, int], fresh: bool
     ) -> tuple[_Connection, bool]:
         while True:
-            idle = self._idle.get(origin)
-            now = time.monotonic()
-            while idle and not fresh:
-                conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                    return conn, True
-                conn.abort()
+            conn = None if fresh else self._take_idle(origin)
+            if conn is not None:
+                return conn, True
             opened = self._open.setdefault(origin, set())
             if not self.max_per_origin or len(opened) < self.max_per_origin:
                 return await self._connect(origin, opened), False
+            idle = self._idle.get(origin)
             if fresh and idle:
-                idle.pop(0).abort()
+                idle.pop(0).abort()  # at the cap: the oldest idle one makes room
                 continue
             waiter = self.loop.create_future()
             self._waiters.setdefault(origin, deque()).append(waiter)
