@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from switchyard.labels import LabelCache
 
-class KVStoreMetrics:
+
+class KVStoreMetrics(LabelCache):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        super().__init__()
         r = self.registry = registry or CollectorRegistry()
         p = "switchyard_kvstore_"
         self.event_batches = Counter(

@@ -263,7 +263,7 @@ class KVStore:
             result.sized_keys = sized
             result.instance_block_sizes = dict(self.instance_block_sizes)
         if not any(sized.values()):
-            self.metrics.lookups.labels("empty").inc()
+            self.metrics.child(self.metrics.lookups, "empty").inc()
             return result
         for size, members in groups.items():
             if not sized[size]:
@@ -284,7 +284,7 @@ class KVStore:
         size = block_size or self.block_size
         m = self.metrics
         if self.degraded:
-            m.lookups.labels("degraded").inc()
+            m.child(m.lookups, "degraded").inc()
             return [], True
         t0 = time.perf_counter()
         try:
@@ -295,20 +295,20 @@ class KVStore:
                     self.index.lookup(keys, candidates, block_size=size), self.lookup_timeout_s
                 )
         except TimeoutError:
-            m.lookups.labels("timeout").inc()
+            m.child(m.lookups, "timeout").inc()
             m.backend_errors.labels("lookup").inc()
             self._timeouts_in_row += 1
             if self._timeouts_in_row >= 3:
                 self._mark_down(TimeoutError(f"3 lookups over {self.lookup_timeout_s * 1e3:g} ms"))
             return [], True
         except Exception as exc:
-            m.lookups.labels("error").inc()
+            m.child(m.lookups, "error").inc()
             m.backend_errors.labels("lookup").inc()
             self._mark_down(exc)
             return [], True
         self._timeouts_in_row = 0
         m.lookup_seconds.observe(time.perf_counter() - t0)
-        m.lookups.labels("ok").inc()
+        m.child(m.lookups, "ok").inc()
         return matches, False
 
     # -- updates ---------------------------------------------------------------------------
@@ -561,11 +561,11 @@ class KVStore:
         st = feed.ingestor.stats
         before = (st.blocks_stored, st.blocks_removed, st.orphan_blocks)
         m = self.metrics
-        m.event_batches.labels(feed.instance).inc()
+        m.child(m.event_batches, feed.instance).inc()
         m.events.inc(len(batch.events))
         if batch.ts:
             feed.last_ts = batch.ts
-            m.lag.labels(feed.instance).set(max(0.0, time.time() - batch.ts))
+            m.child(m.lag, feed.instance).set(max(0.0, time.time() - batch.ts))
         async with feed.lock:
             ops = feed.ingestor.ops(batch)
             if ops:

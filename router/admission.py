@@ -99,7 +99,7 @@ class TTFTModel:
         self.rate: dict[tuple[str, str], float] = {}
         self.fleet_rate: dict[str, float] = {}
         self.overhead_s: dict[str, float] = {}
-        self._ratio = ratio
+        self._ratio = {k: ratio.labels(k) for k in (STREAM, WHOLE)} if ratio is not None else {}
         self._log_q90: dict[str, float] = {}
         # Engine TTFT histogram (sum, count) last seen, and the work of the requests
         # answered since, per worker.
@@ -150,8 +150,8 @@ class TTFTModel:
             return
         if expected.predicted_s > 0:
             ratio = actual_s / expected.predicted_s
-            if self._ratio is not None:
-                self._ratio.labels(expected.kind).observe(ratio)
+            if self._ratio:
+                self._ratio[expected.kind].observe(ratio)
             self._track_q90(expected.kind, ratio)
         overhead = self.overhead_s.get(expected.worker_id, 0.0)
         self.learn(

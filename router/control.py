@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from balancer.admin import admin_router
 from balancer.worker import Role
-from router.metrics import METRICS_DIR_ENV
+from router.metrics import METRICS_DIR_ENV, flush_metric_files
 from router.settings import RouterSettings
 from switchyard.auth import RequireKey, admin_access, data_access, startup_line
 from switchyard.errors import install_error_handlers
@@ -160,6 +160,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
         if METRICS_DIR_ENV in os.environ:
             # One of several processes, each writing its samples to files: sum them all,
             # whichever answers. The live gauges are the answering process's own view.
+            flush_metric_files()
             registry = CollectorRegistry()
             MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # unannotated upstream
             for collector in router.metrics.live:

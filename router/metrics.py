@@ -6,11 +6,15 @@ and the fleet's gauges are collected at scrape time by ``router.control``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.registry import Collector
+
+from switchyard.labels import LabelCache
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
@@ -38,29 +42,103 @@ _SCHEDULE_BUCKETS = (
 METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
-def pin_process_id() -> None:
-    """Make this process's multiprocess-mode metrics name their file by the pid it has now.
+# How late a process's metric files may be: a sample written behind is on every process's
+# /metrics within this time (the answering process's own samples at once).
+FLUSH_INTERVAL_S = 0.1
 
-    prometheus_client asks ``os.getpid()`` on every increment, to notice a fork; a router
-    process never forks once it serves. That call was 7% of two router processes' CPU
-    (py-spy, 2026-12-03, wrk against nginx): a getpid system call each time, about ten a
-    request. Call before any metric is made."""
+
+# This process's samples changed since they were last written (``write_metrics_behind``).
+_DIRTY: list[Any] = []
+
+
+def write_metrics_behind() -> None:
+    """Make this process's multiprocess-mode metrics write their files behind their values.
+
+    prometheus_client's own multiprocess value writes its file (an mmap) on every increment,
+    under a lock, after asking ``os.getpid()`` (a system call) to notice a fork: about 18
+    writes a request here, 7% of two router processes' CPU for the pid calls alone and 7%
+    more for the writes and the lock (py-spy, wrk against nginx, 2026-12-03). A router
+    process never forks once it serves, and its metrics change on its event loop only: each
+    value now changes in memory and is written by ``flush_metric_files``, which the app
+    calls every ``FLUSH_INTERVAL_S`` and before it answers /metrics. Call before any metric
+    is made."""
     pid = os.getpid()
-    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)  # type: ignore[no-untyped-call]
+    files: dict[str, MmapedDict] = {}
+    directory = os.environ[METRICS_DIR_ENV]
+    dirty = _DIRTY
+
+    class WrittenBehindValue:
+        _multiprocess = True
+
+        __slots__ = ("_file", "_key", "_value", "_timestamp", "_dirty")
+
+        def __init__(
+            self,
+            typ: str,
+            metric_name: str,
+            name: str,
+            labelnames: Any,
+            labelvalues: Any,
+            help_text: str,
+            multiprocess_mode: str = "",
+            **kwargs: Any,
+        ) -> None:
+            prefix = f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ
+            file = files.get(prefix)
+            if file is None:
+                path = os.path.join(directory, f"{prefix}_{pid}.db")
+                file = files[prefix] = MmapedDict(path)  # type: ignore[no-untyped-call]
+            self._file = file
+            self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            self._value, self._timestamp = file.read_value(self._key)  # type: ignore[no-untyped-call]
+            self._dirty = False
+
+        def inc(self, amount: float) -> None:
+            self._value += amount
+            if not self._dirty:
+                self._dirty = True
+                dirty.append(self)
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            self._value = value
+            self._timestamp = timestamp or 0.0
+            if not self._dirty:
+                self._dirty = True
+                dirty.append(self)
+
+        def set_exemplar(self, exemplar: Any) -> None:
+            return None  # multiprocess mode has no exemplars
+
+        def get(self) -> float:
+            return float(self._value)
+
+        def get_exemplar(self) -> None:
+            return None
+
+        def write(self) -> None:
+            self._dirty = False
+            self._file.write_value(self._key, self._value, self._timestamp)  # type: ignore[no-untyped-call]
+
+    values.ValueClass = WrittenBehindValue
 
 
-class LabelCache:
-    """Labelled children, cached: ``labels()`` takes a lock and builds a key every call."""
+def flush_metric_files() -> None:
+    """Write the samples changed since the last flush to this process's metric files."""
+    if _DIRTY:
+        batch = _DIRTY[:]
+        _DIRTY.clear()
+        for value in batch:
+            value.write()
 
-    def __init__(self) -> None:
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
 
-    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
-        key = (id(metric), labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
+async def flush_metric_files_every(interval_s: float = FLUSH_INTERVAL_S) -> None:
+    """``flush_metric_files`` for as long as the process serves (and once more when stopped)."""
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            flush_metric_files()
+    finally:
+        flush_metric_files()
 
 
 class RouterMetrics(LabelCache):

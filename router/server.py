@@ -33,7 +33,7 @@ from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from router.app import RouterApp
 from router.connections import BoundedHttpToolsProtocol, ConnectionLimits
-from router.metrics import METRICS_DIR_ENV, pin_process_id
+from router.metrics import METRICS_DIR_ENV, write_metrics_behind
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
 
@@ -300,7 +300,7 @@ def process_app() -> RouterApp:
     """The app of one of several router processes (uvicorn calls this in each)."""
     settings = RouterSettings.model_validate_json(os.environ[SETTINGS_ENV])
     _logging(settings)
-    pin_process_id()
+    write_metrics_behind()
     siblings_dir = os.environ.get(SIBLINGS_ENV)
     siblings = SiblingBus(siblings_dir) if siblings_dir else None
     app = build_app(settings, os.environ.get(CONFIG_ENV) or None, siblings)

@@ -10,7 +10,8 @@ from prometheus_client.registry import Collector
 
 from balancer.view import FleetView
 from balancer.worker import Role
-from router.metrics import LabelCache, RouterMetrics
+from router.metrics import RouterMetrics
+from switchyard.labels import LabelCache
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from loadtest.prom import values
+from router.metrics import FLUSH_INTERVAL_S
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
 from tests.support import redis_server
@@ -56,8 +57,15 @@ def test_two_processes_serve_one_port_and_sum_their_metrics(
     with ThreadPoolExecutor(8) as pool:
         ids = list(pool.map(complete_once, [router.url] * REQUESTS))
     assert ids == ["cmpl-stub"] * REQUESTS
-    metrics = httpx.get(router.url + "/metrics").text
-    assert sum(values(metrics, "switchyard_router_requests_total", status="200")) == REQUESTS
+    # Each process writes its samples behind (``FLUSH_INTERVAL_S``): the sum is whole soon.
+    deadline = time.monotonic() + 10 * FLUSH_INTERVAL_S
+    while True:
+        metrics = httpx.get(router.url + "/metrics").text
+        answered = sum(values(metrics, "switchyard_router_requests_total", status="200"))
+        if answered == REQUESTS or time.monotonic() > deadline:
+            break
+        time.sleep(FLUSH_INTERVAL_S / 2)
+    assert answered == REQUESTS
     assert "switchyard_router_worker_routable" in metrics
 
 

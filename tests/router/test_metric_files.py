@@ -1,0 +1,88 @@
+"""Under ``--processes``, each process's metrics are written to its files behind their values."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from loadtest.prom import values as sample_values
+from router.metrics import (
+    METRICS_DIR_ENV,
+    flush_metric_files,
+    flush_metric_files_every,
+    write_metrics_behind,
+)
+
+
+@pytest.fixture
+def metric_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Multiprocess mode in this directory, prometheus_client's value class put back after."""
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    original = values.ValueClass
+    write_metrics_behind()
+    try:
+        yield tmp_path
+    finally:
+        flush_metric_files()
+        values.ValueClass = original
+
+
+def summed(directory: Path, name: str, **labels: str) -> float:
+    """What a /metrics over the directory's files shows for one sample."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
+    return sum(sample_values(generate_latest(registry).decode(), name, **labels))
+
+
+def test_an_increment_reaches_the_files_at_the_next_flush(metric_dir: Path) -> None:
+    counter = Counter("sy_test_requests", "test", ["status"], registry=None)
+    counter.labels("200").inc()
+    counter.labels("200").inc(2)
+    assert summed(metric_dir, "sy_test_requests_total", status="200") == 0
+    flush_metric_files()
+    assert summed(metric_dir, "sy_test_requests_total", status="200") == 3
+
+
+def test_the_value_is_read_in_process_before_any_flush(metric_dir: Path) -> None:
+    counter = Counter("sy_test_local", "test", registry=None)
+    counter.inc(5)
+    assert counter._value.get() == 5
+
+
+def test_histograms_and_gauges_are_written_behind_alike(metric_dir: Path) -> None:
+    histogram = Histogram("sy_test_seconds", "test", buckets=(0.1, 1.0), registry=None)
+    gauge = Gauge("sy_test_level", "test", multiprocess_mode="max", registry=None)
+    histogram.observe(0.5)
+    gauge.set(7)
+    flush_metric_files()
+    assert summed(metric_dir, "sy_test_seconds_bucket", le="1.0") == 1
+    assert summed(metric_dir, "sy_test_seconds_count") == 1
+    assert summed(metric_dir, "sy_test_level") == 7
+
+
+def test_a_value_changed_again_after_a_flush_is_written_again(metric_dir: Path) -> None:
+    counter = Counter("sy_test_again", "test", registry=None)
+    counter.inc()
+    flush_metric_files()
+    counter.inc()
+    flush_metric_files()
+    assert summed(metric_dir, "sy_test_again_total") == 2
+
+
+async def test_the_flusher_writes_on_its_interval_and_once_more_when_stopped(
+    metric_dir: Path,
+) -> None:
+    counter = Counter("sy_test_timed", "test", registry=None)
+    flusher = asyncio.get_running_loop().create_task(flush_metric_files_every(0.01))
+    counter.inc()
+    await asyncio.sleep(0.05)
+    assert summed(metric_dir, "sy_test_timed_total") == 1
+    counter.inc()
+    flusher.cancel()
+    await asyncio.gather(flusher, return_exceptions=True)
+    assert summed(metric_dir, "sy_test_timed_total") == 2
