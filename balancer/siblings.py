@@ -1,17 +1,21 @@
-"""State shared by the processes of one router, without Redis: a ZMQ bus over ipc sockets.
+"""State shared by the processes of one router, without Redis: a bus over unix sockets.
 
-Under ``--processes N`` each process binds one PUB socket in a directory its supervisor
-made, and subscribes to every other socket it finds there; it looks again every
-``rescan_s``, so a process the supervisor restarts is found. What travels on it: each
-process's in-flight counts every ``sibling_sync_interval_s`` (``SiblingShare``), admin
-registry changes at once, engine scrapes (one process scrapes for all, the
-lowest-named one while it lives), and the router's placements (``router.kv``). Delivery is
-PUB/SUB's: a message sent before a sibling connected is not seen by it. Counts are sent
-again on every sync, and the admin registry is also kept in a file a new process loads.
-Messages go out in batches, one ZMQ message every ``BATCH_S`` at most (``SiblingBus``):
-one frame, msgpack ``[origin, topic, payload, topic, payload, ...]``, since pyzmq's cost is
-per frame (a multipart message of a frame per topic and payload put the sends at half of
-the bus's py-spy samples, 2026-12-03).
+Under ``--processes N`` each process listens on one unix socket in a directory its
+supervisor made, and connects to every other socket it finds there; it looks again every
+``rescan_s`` (when the directory changed), so a process the supervisor restarts is found.
+What travels on it: each process's in-flight counts every ``sibling_sync_interval_s``
+(``SiblingShare``), admin registry changes at once, engine scrapes (one process scrapes
+for all, the lowest-named one while it lives), and the router's placements
+(``router.kv``). A message sent before a sibling connected is not seen by it: counts are
+sent again on every sync, and the admin registry is also kept in a file a new process
+loads. Messages go out in batches, one frame every ``BATCH_S`` at most: a 4-byte length,
+then msgpack ``[origin, topic, payload, topic, payload, ...]``.
+
+Plain asyncio unix streams, not ZMQ PUB/SUB: a batch is one write on the sender's loop
+and one read on the receiver's. Through ZMQ it was a wake-up of the sender's ZMQ thread,
+an ipc write, the receiver's ZMQ thread, its signal to the loop and pyzmq's poll
+bookkeeping: measured 2026-12-03 (wrk against nginx, two processes, one worker) about
+100 us of CPU per batch in all, 9 us a request in the ZMQ threads alone.
 """
 
 from __future__ import annotations
@@ -20,21 +24,20 @@ import asyncio
 import inspect
 import logging
 import os
+import struct
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import orjson
-import zmq
-import zmq.asyncio
 
 from balancer.scrape import Scrape
 from balancer.shared import apply_change, fold_peers, fold_worker, own_counts
 from balancer.worker import Worker, WorkerSpec
-from switchyard.zmqrecv import messages
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -46,13 +49,46 @@ COUNTS = b"counts"
 WORKER = b"worker"  # one worker's counts, sent as a request begins, starts decoding or ends
 REGISTRY = b"registry"
 SCRAPE = b"scrape"  # one worker's parsed /metrics, from the process that scraped it
-# How long a message may wait for others to share its ZMQ message. Each send and each
-# receive is one wake-up of the siblings' loops and ZMQ threads: sent one by one (about
-# five a request: counts at begin, first token and end, the placement, new chat messages),
-# they cost a third as much CPU again as the requests themselves in a py-spy profile of
-# two processes (2026-12-02, bench.router_cpu multiturn). 2 ms is short next to any
-# prefill the counts announce.
+# How long a message may wait for others to share its frame. Each frame is one wake-up of
+# every sibling's loop: sent one by one (about five a request: counts at begin, first
+# token and end, the placement, new chat messages), they cost a third as much CPU again
+# as the requests themselves in a py-spy profile of two processes (2026-12-02,
+# bench.router_cpu multiturn). 2 ms is short next to any prefill the counts announce.
 BATCH_S = 0.002
+# Bytes a slow sibling may have waiting before batches to it are dropped (as PUB/SUB
+# drops at its high-water mark): a stalled process must not grow the others' memory.
+MAX_BUFFERED_BYTES = 16 << 20
+_LENGTH = struct.Struct(">I")
+
+
+class _Inbound(asyncio.Protocol):
+    """One sibling's connection to us: length-prefixed frames, each handed to the bus."""
+
+    def __init__(self, bus: SiblingBus) -> None:
+        self.bus = bus
+        self.buffer = bytearray()
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.bus._inbound.add(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.transport is not None:
+            self.bus._inbound.discard(self.transport)
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        at = 0
+        while len(buffer) - at >= 4:
+            (size,) = _LENGTH.unpack_from(buffer, at)
+            if len(buffer) - at - 4 < size:
+                break
+            self.bus._deliver(bytes(buffer[at + 4 : at + 4 + size]))
+            at += 4 + size
+        if at:
+            del buffer[:at]
 
 
 class SiblingBus:
@@ -65,17 +101,22 @@ class SiblingBus:
         self.instance = uuid.uuid4().hex[:12]
         self.rescan_s = rescan_s
         self.batch_s = batch_s
-        # Waiting messages as multipart frames (topic, payload, ...), and where a keyed one sits.
+        # Waiting messages as (topic, payload, ...), and where a keyed one sits.
         self._outbox: list[bytes] = []
         self._keyed: dict[tuple[bytes, str], int] = {}
         self._flush_at: asyncio.TimerHandle | None = None
         self._handlers: dict[bytes, Handler] = {}
+        # Siblings' sockets found (connected or connecting), and the connections made.
         self._peers: set[Path] = set()
+        self._links: dict[Path, asyncio.Transport] = {}
+        self._inbound: set[asyncio.BaseTransport] = set()
         self._scanned_mtime: int | None = None
-        self._pub: zmq.Socket[bytes] | None = None
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sub: zmq.asyncio.Socket | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._connecting: set[asyncio.Task[None]] = set()
+        # Awaitable handlers' work, run one after another in arrival order.
+        self._awaiting: deque[Awaitable[None]] = deque()
+        self._runner: asyncio.Task[None] | None = None
 
     @property
     def path(self) -> Path:
@@ -83,53 +124,47 @@ class SiblingBus:
 
     @property
     def peers(self) -> int:
-        return len(self._peers)
+        """Siblings this process is connected to (they hear what it publishes)."""
+        return len(self._links)
 
     def on(self, topic: bytes, handler: Handler) -> None:
         """Call ``handler(origin, payload)`` for each sibling message on ``topic``."""
         self._handlers[topic] = handler
 
     async def start(self) -> None:
-        if self._pub is not None:
+        if self._server is not None:
             return
-        pub: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.bind(f"ipc://{self.path}")
-        self._pub = pub
-        self._ctx = zmq.asyncio.Context()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._scan()
         loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._receive(), name="siblings:receive"),
-            loop.create_task(self._rescan(), name="siblings:rescan"),
-        ]
+        self._server = await loop.create_unix_server(lambda: _Inbound(self), str(self.path))
+        self._scan()
+        self._tasks = [loop.create_task(self._rescan(), name="siblings:rescan")]
 
     async def stop(self) -> None:
         self._flush()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._connecting]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._connecting, return_exceptions=True)
         self._tasks.clear()
-        if self._sub is not None:
-            self._sub.close()
-            self._sub = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-        if self._pub is not None:
-            self._pub.close()
-            self._pub = None
+        for transport in [*self._links.values(), *self._inbound]:
+            transport.close()
+        self._links.clear()
+        self._inbound.clear()
+        self._peers.clear()
+        if self._runner is not None:
+            self._runner.cancel()
+            await asyncio.gather(self._runner, return_exceptions=True)
+            self._runner = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
             self.path.unlink(missing_ok=True)
 
     def publish(self, topic: bytes, payload: bytes, key: str | None = None) -> None:
-        """Send to every connected sibling within ``batch_s``; never blocks (PUB drops at
-        its high-water mark). A message with a ``key`` replaces a waiting one of the same
-        topic and key: only the latest state of that thing goes out, after the messages
-        queued before it."""
-        if self._pub is None:
+        """Send to every connected sibling within ``batch_s``; never blocks (a sibling with
+        ``MAX_BUFFERED_BYTES`` unread misses batches). A message with a ``key`` replaces a
+        waiting one of the same topic and key: only the latest state of that thing goes
+        out, after the messages queued before it."""
+        if self._server is None:
             return
         if key is not None:
             at = self._keyed.get((topic, key))
@@ -149,24 +184,62 @@ class SiblingBus:
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
-        if not self._outbox or self._pub is None:
+        if not self._outbox:
             return
         outbox, self._outbox = self._outbox, []
         self._keyed.clear()
+        if not self._links:
+            return
         batch: list[str | bytes] = [self.instance]
         for i in range(0, len(outbox), 2):
             if outbox[i]:  # a replaced keyed message is left as an empty topic
                 batch += (outbox[i], outbox[i + 1])
+        body = msgpack.packb(batch)
+        frame = _LENGTH.pack(len(body)) + body
+        for path, transport in self._links.items():
+            if transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
+                log.debug("sibling %s is behind: %d messages dropped", path.stem, len(batch) // 2)
+                continue
+            transport.write(frame)
+
+    def _deliver(self, frame: bytes) -> None:
+        """Hand one batch's messages to their handlers, in order."""
         try:
-            self._pub.send(msgpack.packb(batch), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("sibling bus full, %d messages dropped", (len(batch) - 1) // 2)
+            batch = msgpack.unpackb(frame)
+        except (ValueError, msgpack.UnpackException):
+            return
+        if not isinstance(batch, list) or len(batch) % 2 != 1:
+            return
+        origin = batch[0]
+        for i in range(1, len(batch), 2):
+            topic, payload = batch[i], batch[i + 1]
+            handler = self._handlers.get(topic)
+            if handler is None:
+                continue
+            try:
+                result = handler(origin, payload)
+            except Exception:
+                log.exception("sibling %s message from %s failed", topic.decode(), origin)
+                continue
+            if inspect.isawaitable(result):
+                self._awaiting.append(result)
+                if self._runner is None:
+                    self._runner = asyncio.get_running_loop().create_task(self._run_awaiting())
+
+    async def _run_awaiting(self) -> None:
+        try:
+            while self._awaiting:
+                try:
+                    await self._awaiting.popleft()
+                except Exception:
+                    log.exception("sibling message failed")
+        finally:
+            self._runner = None
 
     def _scan(self) -> None:
-        """Connect to new siblings' sockets, drop gone ones; nothing to do while the
-        directory is unchanged (one stat: the glob every 0.1 s was a twentieth of an idle
-        two-process router's samples in py-spy, 2026-12-03)."""
-        assert self._sub is not None
+        """Connect to new siblings' sockets; nothing to do while the directory is unchanged
+        (one stat: the glob every 0.1 s was a twentieth of an idle two-process router's
+        samples in py-spy, 2026-12-03). A gone sibling's connection closes by itself."""
         try:
             mtime = self.directory.stat().st_mtime_ns
         except OSError:
@@ -178,41 +251,44 @@ class SiblingBus:
             return
         self._scanned_mtime = mtime
         found = {p for p in self.directory.glob("*.sock") if p != self.path}
+        loop = asyncio.get_running_loop()
         for path in found - self._peers:
-            self._sub.connect(f"ipc://{path}")
-        for path in self._peers - found:
-            try:
-                self._sub.disconnect(f"ipc://{path}")
-            except zmq.ZMQError:
-                pass
-        self._peers = found
+            self._peers.add(path)
+            task = loop.create_task(self._connect(path), name="siblings:connect")
+            self._connecting.add(task)
+            task.add_done_callback(self._connecting.discard)
+        self._peers &= found | set(self._links)
+
+    async def _connect(self, path: Path) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            transport, _ = await loop.create_unix_connection(
+                lambda: _Outbound(self, path), str(path)
+            )
+        except OSError:  # a socket file its process left behind, or not listening yet
+            self._peers.discard(path)  # tried again while the directory is changing
+            return
+        self._links[path] = transport
+
+    def _lost(self, path: Path) -> None:
+        self._links.pop(path, None)
+        self._peers.discard(path)
 
     async def _rescan(self) -> None:
         while True:
             await asyncio.sleep(self.rescan_s)
             self._scan()
 
-    async def _receive(self) -> None:
-        assert self._sub is not None
-        async for frames in messages(self._sub):
-            try:
-                batch = msgpack.unpackb(frames[0])
-            except (ValueError, msgpack.UnpackException):
-                continue
-            if not isinstance(batch, list) or len(batch) % 2 != 1:
-                continue
-            origin = batch[0]
-            for i in range(1, len(batch), 2):
-                topic, payload = batch[i], batch[i + 1]
-                handler = self._handlers.get(topic)
-                if handler is None:
-                    continue
-                try:
-                    result = handler(origin, payload)
-                    if inspect.isawaitable(result):
-                        await result
-                except Exception:
-                    log.exception("sibling %s message from %s failed", topic.decode(), origin)
+
+class _Outbound(asyncio.Protocol):
+    """Our connection to one sibling: we only write; its end closing means it is gone."""
+
+    def __init__(self, bus: SiblingBus, path: Path) -> None:
+        self.bus = bus
+        self.path = path
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.bus._lost(self.path)
 
 
 class SiblingShare:

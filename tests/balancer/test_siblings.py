@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgpack
 import pytest
-import zmq
-import zmq.asyncio
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
 from balancer.scrape import Scrape
-from balancer.siblings import SiblingBus, SiblingShare
+from balancer.siblings import SiblingBus, SiblingShare, _Inbound
 from balancer.worker import Worker
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
@@ -48,7 +47,7 @@ async def sibling(
 async def linked(directory: Path, *specs: str) -> AsyncIterator[tuple[Fleet, Fleet]]:
     """Two processes' fleets on one bus, once each hears the other."""
     async with sibling(directory, *specs) as a, sibling(directory, *specs) as b:
-        await eventually(lambda: a.shared is not None and a.shared.peers == 1)
+        await eventually(lambda: all(f.shared is not None and f.shared.peers == 1 for f in (a, b)))
         yield a, b
 
 
@@ -198,30 +197,46 @@ async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
             await bus.stop()
 
 
+class RawSibling(asyncio.Protocol):
+    """A bare socket in the bus's directory, as a sibling's would be: sees the frames."""
+
+    def __init__(self) -> None:
+        self.received = bytearray()
+        self.connected = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.connected = True
+
+    def data_received(self, data: bytes) -> None:
+        self.received += data
+
+
 @asynccontextmanager
-async def listening(tmp_path: Path) -> AsyncIterator[tuple[SiblingBus, zmq.asyncio.Socket]]:
-    """A bus and a bare SUB socket on its PUB, to see the ZMQ messages themselves."""
+async def listening(tmp_path: Path) -> AsyncIterator[tuple[SiblingBus, RawSibling]]:
+    """A bus connected to a bare socket in its directory, to see the frames themselves."""
+    raw = RawSibling()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: raw, str(tmp_path / "raw.sock"))
     bus = SiblingBus(tmp_path, rescan_s=0.05)
     await bus.start()
-    ctx = zmq.asyncio.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{bus.path}")
-    await asyncio.sleep(0.2)  # the subscription reaches the PUB
     try:
-        yield bus, sub
+        await eventually(lambda: raw.connected)
+        yield bus, raw
     finally:
-        sub.close(linger=0)
-        ctx.term()
         await bus.stop()
+        server.close()
 
 
-async def test_messages_published_together_travel_in_one_zmq_message(tmp_path: Path) -> None:
-    async with listening(tmp_path) as (bus, sub):
+async def test_messages_published_together_travel_in_one_frame(tmp_path: Path) -> None:
+    async with listening(tmp_path) as (bus, raw):
         bus.publish(b"a", b"1")
         bus.publish(b"b", b"2")
         bus.publish(b"a", b"3")
-        (frame,) = await asyncio.wait_for(sub.recv_multipart(), 5)
+        await eventually(lambda: len(raw.received) >= 4)
+        (size,) = struct.unpack(">I", raw.received[:4])
+        await eventually(lambda: len(raw.received) >= 4 + size)
+        assert len(raw.received) == 4 + size
+        frame = bytes(raw.received[4:])
         assert msgpack.unpackb(frame) == [bus.instance, b"a", b"1", b"b", b"2", b"a", b"3"]
 
 
@@ -233,12 +248,58 @@ async def test_a_keyed_message_replaces_the_waiting_one_and_goes_last(tmp_path: 
     await receiver.start()
     try:
         async with listening(tmp_path) as (bus, _):
-            await eventually(lambda: receiver.peers == 1)
-            await asyncio.sleep(0.2)
+            await eventually(lambda: receiver.peers == 2 and bus.peers == 2)
             bus.publish(b"w", b"worker-1 old", key="worker-1")
             bus.publish(b"c", b"counts")
             bus.publish(b"w", b"worker-1 new", key="worker-1")
             await eventually(lambda: len(heard) == 2)
             assert heard == [(b"c", b"counts"), (b"w", b"worker-1 new")]
     finally:
+        await receiver.stop()
+
+
+def test_a_frame_cut_across_reads_is_delivered_whole_once() -> None:
+    heard: list[bytes] = []
+    bus = SiblingBus("/nonexistent")
+    bus.on(b"t", lambda origin, payload: heard.append(payload))
+    body = msgpack.packb(["origin", b"t", b"x" * 1000, b"t", b"y"])
+    frame = struct.pack(">I", len(body)) + body
+    inbound = _Inbound(bus)
+    for at in range(0, len(frame) * 2, 7):  # two frames back to back, 7 bytes a read
+        inbound.data_received((frame + frame)[at : at + 7])
+    assert heard == [b"x" * 1000, b"y", b"x" * 1000, b"y"]
+
+
+async def test_a_sibling_that_stops_is_no_longer_a_peer(tmp_path: Path) -> None:
+    a, b = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
+    await a.start()
+    await b.start()
+    try:
+        await eventually(lambda: a.peers == 1 and b.peers == 1)
+        await b.stop()
+        await eventually(lambda: a.peers == 0)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_awaitable_handlers_run_in_the_order_their_messages_came(tmp_path: Path) -> None:
+    done: list[bytes] = []
+
+    async def slow_first(origin: str, payload: bytes) -> None:
+        await asyncio.sleep(0.05 if payload == b"1" else 0)
+        done.append(payload)
+
+    sender, receiver = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
+    receiver.on(b"t", slow_first)
+    await sender.start()
+    await receiver.start()
+    try:
+        await eventually(lambda: sender.peers == 1)
+        for payload in (b"1", b"2", b"3"):
+            sender.publish(b"t", payload)
+        await eventually(lambda: len(done) == 3)
+        assert done == [b"1", b"2", b"3"]
+    finally:
+        await sender.stop()
         await receiver.stop()
