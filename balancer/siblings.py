@@ -1,8 +1,9 @@
 """State shared by the processes of one router, without Redis: a bus over unix sockets.
 
 Under ``--processes N`` each process listens on one unix socket in a directory its
-supervisor made, and connects to every other socket it finds there; it looks again every
-``rescan_s`` (when the directory changed), so a process the supervisor restarts is found.
+supervisor made, and connects to every other socket it finds there. It looks again when
+a sibling connects to it (a process the supervisor starts or restarts connects to every
+other), and every ``rescan_s`` when the directory changed, in case.
 What travels on it: each process's in-flight counts every ``sibling_sync_interval_s``
 (``SiblingShare``), admin registry changes at once, engine scrapes (one process scrapes
 for all, the lowest-named one while it lives), and the router's placements
@@ -72,6 +73,7 @@ class _Inbound(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
         self.bus._inbound.add(transport)
+        self.bus._scan()  # a sibling that found us: it may be one we have not found yet
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.transport is not None:
@@ -95,7 +97,7 @@ class SiblingBus:
     """One process's end of the bus: ``publish`` to all siblings, ``on`` to hear them."""
 
     def __init__(
-        self, directory: str | Path, rescan_s: float = 0.1, batch_s: float = BATCH_S
+        self, directory: str | Path, rescan_s: float = 1.0, batch_s: float = BATCH_S
     ) -> None:
         self.directory = Path(directory)
         self.instance = uuid.uuid4().hex[:12]

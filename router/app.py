@@ -28,7 +28,7 @@ from router.errors import RouterError
 from router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
 from router.headers import FORWARDED_HEADERS, new_request_id, valid_request_id
 from router.kv import KVAwareness
-from router.metrics import METRICS_DIR_ENV, RouterMetrics, flush_metric_files_every
+from router.metrics import METRICS_DIR_ENV, RouterMetrics, flush_metric_files_on
 from router.pd.orchestrator import build_orchestrator
 from router.relay import Relay, send_complete
 from router.request import DATA_ROUTES, RoutedRequest, parse
@@ -150,13 +150,10 @@ class RouterApp:
         self._routes = {route: route for route in DATA_ROUTES}
         self.draining = False  # shutting down: /ready answers 503 while requests finish
         self.control = build_control_app(self)
-        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if METRICS_DIR_ENV in os.environ:  # one of several processes: metric files to write
-            self._flusher = asyncio.get_running_loop().create_task(
-                flush_metric_files_every(), name="router:metric-files"
-            )
+            flush_metric_files_on(asyncio.get_running_loop())
         if self.siblings is not None:
             await self.siblings.start()
         await self.relay.start()
@@ -177,9 +174,8 @@ class RouterApp:
         await self.relay.stop()
         if self.siblings is not None:
             await self.siblings.stop()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
+        if METRICS_DIR_ENV in os.environ:
+            flush_metric_files_on(None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":

@@ -47,8 +47,12 @@ METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FLUSH_INTERVAL_S = 0.1
 
 
-# This process's samples changed since they were last written (``write_metrics_behind``).
-_DIRTY: list[Any] = []
+class _Behind:
+    """This process's samples changed since they were last written, and the loop that
+    writes them (``write_metrics_behind``)."""
+
+    dirty: list[Any] = []
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 def write_metrics_behind() -> None:
@@ -59,13 +63,14 @@ def write_metrics_behind() -> None:
     writes a request here, 7% of two router processes' CPU for the pid calls alone and 7%
     more for the writes and the lock (py-spy, wrk against nginx, 2026-12-03). A router
     process never forks once it serves, and its metrics change on its event loop only: each
-    value now changes in memory and is written by ``flush_metric_files``, which the app
-    calls every ``FLUSH_INTERVAL_S`` and before it answers /metrics. Call before any metric
-    is made."""
+    value now changes in memory and is written by ``flush_metric_files``: within
+    ``FLUSH_INTERVAL_S`` of the first change since the last write (a timer on the loop
+    given to ``flush_metric_files_on``, none while nothing changes), and before the process
+    answers /metrics. Call before any metric is made."""
     pid = os.getpid()
     files: dict[str, MmapedDict] = {}
     directory = os.environ[METRICS_DIR_ENV]
-    dirty = _DIRTY
+    dirty = _Behind.dirty
 
     class WrittenBehindValue:
         _multiprocess = True
@@ -96,15 +101,19 @@ def write_metrics_behind() -> None:
         def inc(self, amount: float) -> None:
             self._value += amount
             if not self._dirty:
-                self._dirty = True
-                dirty.append(self)
+                self._changed()
 
         def set(self, value: float, timestamp: float | None = None) -> None:
             self._value = value
             self._timestamp = timestamp or 0.0
             if not self._dirty:
-                self._dirty = True
-                dirty.append(self)
+                self._changed()
+
+        def _changed(self) -> None:
+            self._dirty = True
+            dirty.append(self)
+            if len(dirty) == 1 and _Behind.loop is not None:
+                _Behind.loop.call_later(FLUSH_INTERVAL_S, flush_metric_files)
 
         def set_exemplar(self, exemplar: Any) -> None:
             return None  # multiprocess mode has no exemplars
@@ -124,21 +133,18 @@ def write_metrics_behind() -> None:
 
 def flush_metric_files() -> None:
     """Write the samples changed since the last flush to this process's metric files."""
-    if _DIRTY:
-        batch = _DIRTY[:]
-        _DIRTY.clear()
+    dirty = _Behind.dirty
+    if dirty:
+        batch = dirty[:]
+        dirty.clear()
         for value in batch:
             value.write()
 
 
-async def flush_metric_files_every(interval_s: float = FLUSH_INTERVAL_S) -> None:
-    """``flush_metric_files`` for as long as the process serves (and once more when stopped)."""
-    try:
-        while True:
-            await asyncio.sleep(interval_s)
-            flush_metric_files()
-    finally:
-        flush_metric_files()
+def flush_metric_files_on(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Write changed samples from timers on ``loop`` (None: only when flushed by hand)."""
+    flush_metric_files()
+    _Behind.loop = loop
 
 
 class RouterMetrics(LabelCache):

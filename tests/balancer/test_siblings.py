@@ -303,3 +303,14 @@ async def test_awaitable_handlers_run_in_the_order_their_messages_came(tmp_path:
     finally:
         await sender.stop()
         await receiver.stop()
+
+
+async def test_a_sibling_that_starts_later_is_found_when_it_connects(tmp_path: Path) -> None:
+    early, late = SiblingBus(tmp_path, rescan_s=60), SiblingBus(tmp_path, rescan_s=60)
+    await early.start()
+    try:
+        await late.start()  # finds the early one and connects: no rescan is due for a minute
+        await eventually(lambda: early.peers == 1 and late.peers == 1)
+    finally:
+        await early.stop()
+        await late.stop()

@@ -12,9 +12,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from loadtest.prom import values as sample_values
 from router.metrics import (
+    FLUSH_INTERVAL_S,
     METRICS_DIR_ENV,
     flush_metric_files,
-    flush_metric_files_every,
+    flush_metric_files_on,
     write_metrics_behind,
 )
 
@@ -28,7 +29,7 @@ def metric_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     try:
         yield tmp_path
     finally:
-        flush_metric_files()
+        flush_metric_files_on(None)
         values.ValueClass = original
 
 
@@ -74,15 +75,29 @@ def test_a_value_changed_again_after_a_flush_is_written_again(metric_dir: Path) 
     assert summed(metric_dir, "sy_test_again_total") == 2
 
 
-async def test_the_flusher_writes_on_its_interval_and_once_more_when_stopped(
+async def test_a_change_is_written_within_the_interval_once_a_loop_flushes(
     metric_dir: Path,
 ) -> None:
     counter = Counter("sy_test_timed", "test", registry=None)
-    flusher = asyncio.get_running_loop().create_task(flush_metric_files_every(0.01))
+    flush_metric_files_on(asyncio.get_running_loop())
     counter.inc()
-    await asyncio.sleep(0.05)
+    assert summed(metric_dir, "sy_test_timed_total") == 0
+    await asyncio.sleep(FLUSH_INTERVAL_S * 2)
     assert summed(metric_dir, "sy_test_timed_total") == 1
+
+
+async def test_changes_after_a_flush_schedule_the_next_one(metric_dir: Path) -> None:
+    counter = Counter("sy_test_next", "test", registry=None)
+    flush_metric_files_on(asyncio.get_running_loop())
     counter.inc()
-    flusher.cancel()
-    await asyncio.gather(flusher, return_exceptions=True)
-    assert summed(metric_dir, "sy_test_timed_total") == 2
+    await asyncio.sleep(FLUSH_INTERVAL_S * 2)
+    counter.inc()
+    await asyncio.sleep(FLUSH_INTERVAL_S * 2)
+    assert summed(metric_dir, "sy_test_next_total") == 2
+
+
+async def test_handing_over_the_loop_writes_what_changed_before(metric_dir: Path) -> None:
+    counter = Counter("sy_test_before", "test", registry=None)
+    counter.inc()
+    flush_metric_files_on(asyncio.get_running_loop())
+    assert summed(metric_dir, "sy_test_before_total") == 1
