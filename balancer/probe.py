@@ -39,6 +39,7 @@ from balancer import dp
 from balancer.scrape import Scrape, parse_metrics
 from balancer.settings import BalancerSettings
 from balancer.worker import EngineSample, Worker
+from switchyard.httpclient import ConnectionPool
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -68,7 +69,7 @@ class Prober:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self.settings = fleet.settings
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._looked: dict[str, asyncio.Event] = {}  # set after a worker's first probe
@@ -79,10 +80,8 @@ class Prober:
         self.on_scrape: Callable[[Worker, list[Scrape]], None] | None = None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=_MAX_CONNECTIONS, keepalive_timeout=_KEEPALIVE_S)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=self.settings.probe_timeout_s),
+        self._pool = ConnectionPool(
+            connect_timeout_s=self.settings.probe_timeout_s, keepalive_s=_KEEPALIVE_S
         )
         for worker in self.fleet.workers():
             self.watch(worker)
@@ -96,9 +95,9 @@ class Prober:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     async def first_look(self, timeout_s: float) -> None:
         """Until every watched worker has been probed once and, if it answered, asked for
@@ -212,12 +211,16 @@ class Prober:
         return stretched(s, s.scrape_interval_s, len(self._tasks))
 
     async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        assert self._session is not None
-        async with (
-            self._slots,
-            self._session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp,
-        ):
-            return resp.status, await resp.read()
+        """Status and body of a GET, all within ``timeout``: through the data plane's own
+        client (aiohttp's was 38% of an idle two-process router's py-spy samples, its
+        probes and scrapes, 2026-12-03)."""
+        assert self._pool is not None
+        async with self._slots, asyncio.timeout(timeout):
+            resp = await self._pool.get(url)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.close()
 
     def _registered(self, worker: Worker) -> bool:
         return self.fleet.get(worker.id) is worker

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 
     from balancer.view import FleetView
     from balancer.worker import Worker
-    from router.httpclient import ConnectionPool
     from router.metrics import RouterMetrics
+    from switchyard.httpclient import ConnectionPool
 
 log = logging.getLogger("switchyard.router.admission")
 

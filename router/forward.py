@@ -22,13 +22,13 @@ from balancer.view import FleetView
 from balancer.worker import Outcome, Ticket, Worker
 from router.admission import Expected, TTFTModel
 from router.errors import RouterError, engine_error_body
-from router.httpclient import Response
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
 from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from router.request import COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 from router.upstream import Call, Unsent
+from switchyard.httpclient import Response
 
 RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"

@@ -1,6 +1,6 @@
 """The byte relay: upstream bytes go to the client as they arrive.
 
-One connection pool (``router.httpclient``) serves every worker. Bodies are never
+One connection pool (``switchyard.httpclient``) serves every worker. Bodies are never
 decoded or re-encoded: compression is left to the two ends and SSE chunks are
 forwarded as read.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from starlette.types import Send
 
-from router.httpclient import ConnectionPool, Response
+from switchyard.httpclient import ConnectionPool, Response
 
 # Headers that describe one connection, not the message: never forwarded either way.
 HOP_BY_HOP = frozenset(

@@ -14,9 +14,9 @@ from aiohttp import web
 from balancer.worker import EngineSample
 from router.admission import STREAM, WHOLE, Admission, TTFTModel, calibrate
 from router.errors import RouterError
-from router.httpclient import ConnectionPool
 from router.metrics import RouterMetrics
 from router.scheduler.framework import Context
+from switchyard.httpclient import ConnectionPool
 from tests.router.test_kv_scheduling import FakeLoad, FakeWorker
 from tests.support import free_port
 

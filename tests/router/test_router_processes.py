@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -117,3 +119,22 @@ def test_an_admin_change_reaches_every_router_sharing_redis(
             workers = httpx.get(second.url + "/admin/workers", headers=AUTH).json()["workers"]
             seen = {w["url"] for w in workers}
         assert stub2.url in seen
+
+
+def test_a_process_that_dies_is_replaced_within_a_second(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    router = start_router(stub.url, args=("--processes", "2"))
+    assert router.proc is not None
+    wait_all_ready(router.url)
+    first = router_processes(router.proc.pid)
+    os.kill(first[0], signal.SIGKILL)
+    deadline = time.monotonic() + 1.5  # the supervisor looks every 0.5 s; a ping is not needed
+    while time.monotonic() < deadline:
+        now = router_processes(router.proc.pid)
+        if len(now) == 2 and first[0] not in now:
+            break
+        time.sleep(0.05)
+    assert first[0] not in now and len(now) == 2
+    wait_all_ready(router.url)
+    assert complete_once(router.url) == "cmpl-stub"

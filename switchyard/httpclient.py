@@ -1,7 +1,9 @@
-"""The data plane's HTTP/1.1 client: kept-alive connections per worker, parsed by httptools.
+"""The HTTP/1.1 client for calls to workers: kept-alive connections per worker, parsed by
+httptools.
 
 A router call is one POST with a body already in memory, to a worker it talks to all
-the time; its answer is relayed as bytes. That needs far less than a general client:
+the time; its answer is relayed as bytes. The balancer's probes and scrapes are GETs to
+the same workers. That needs far less than a general client:
 no cookies, redirects, proxies, decompression or per-request header objects. aiohttp's
 client was 43% of the router's CPU per request on ``bench.overhead``'s fixed backend
 (py-spy, 2026-12-03, one process, ``ClientSession._request``, its writer and reader).
@@ -288,7 +290,17 @@ class ConnectionPool:
         for name, value in headers.items():
             lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
         lines.append(b"\r\n")
-        head = b"".join(lines)
+        return await self._request(origin, b"".join(lines), body, timeout_s)
+
+    async def get(self, url: str, timeout_s: float | None = None) -> Response:
+        """GET ``url``; the response at its head, within ``timeout_s`` (as ``post``)."""
+        origin, host, path = _target(url)
+        head = b"GET %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (path, host)
+        return await self._request(origin, head, b"", timeout_s)
+
+    async def _request(
+        self, origin: tuple[str, str, int], head: bytes, body: bytes, timeout_s: float | None
+    ) -> Response:
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
         conn, reused = await self._acquire(origin, deadline)
         try:

@@ -1,4 +1,4 @@
-"""The data plane's HTTP/1.1 client, against scripted servers on loopback."""
+"""The HTTP/1.1 client for calls to workers, against scripted servers on loopback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from router.httpclient import ConnectionPool
+from switchyard.httpclient import ConnectionPool
 from tests.support import free_port
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -34,9 +34,12 @@ class Worker:
         except asyncio.IncompleteReadError:
             return b""
         length = next(
-            int(line.split(b":")[1])
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
         )
         await reader.readexactly(length)
         self.requests.append(head)
@@ -251,3 +254,15 @@ async def test_no_answer_head_within_the_timeout_raises_and_closes_the_connectio
     with pytest.raises(TimeoutError):
         await pool.post(worker.url, b"{}", {}, timeout_s=0.2)
     await asyncio.wait_for(worker.closed.wait(), 2)
+
+
+async def test_a_get_sends_a_bodiless_head_and_keeps_its_connection(
+    serve: Callable[[Script], Awaitable[Worker]], pool: ConnectionPool
+) -> None:
+    worker = await serve(answer_ok)
+    for _ in range(2):
+        resp = await pool.get(worker.url.replace("/v1/completions", "/health?x=1"))
+        assert (resp.status, await resp.read()) == (200, b"{}")
+    assert worker.connections == 1
+    assert worker.requests[0].startswith(b"GET /health?x=1 HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"content-length" not in worker.requests[0].lower()
