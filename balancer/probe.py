@@ -211,9 +211,9 @@ class Prober:
         return stretched(s, s.scrape_interval_s, len(self._tasks))
 
     async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
-        """Status and body of a GET, all within ``timeout``: through the data plane's own
-        client (aiohttp's was 38% of an idle two-process router's py-spy samples, its
-        probes and scrapes, 2026-12-03)."""
+        """Status and body of a GET, all within ``timeout``, through the workers' HTTP client
+        the data path uses. With aiohttp's, the probe loop was 38% of an idle two-process
+        router's py-spy samples, most of it in aiohttp's request machinery (2026-12-03)."""
         assert self._pool is not None
         async with self._slots, asyncio.timeout(timeout):
             resp = await self._pool.get(url)
