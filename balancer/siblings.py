@@ -156,6 +156,10 @@ class SiblingBus:
             self._runner.cancel()
             await asyncio.gather(self._runner, return_exceptions=True)
             self._runner = None
+        for waiting in self._awaiting:  # never started: closed, not left unawaited
+            if inspect.iscoroutine(waiting):
+                waiting.close()
+        self._awaiting.clear()
         if self._server is not None:
             self._server.close()
             self._server = None

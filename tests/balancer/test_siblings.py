@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -314,3 +315,27 @@ async def test_a_sibling_that_starts_later_is_found_when_it_connects(tmp_path: P
     finally:
         await early.stop()
         await late.stop()
+
+
+async def test_handler_work_still_waiting_at_stop_is_closed_not_left_unawaited(
+    tmp_path: Path,
+) -> None:
+    made: list[Coroutine[Any, Any, None]] = []
+
+    def slow(origin: str, payload: bytes) -> Coroutine[Any, Any, None]:
+        made.append(asyncio.sleep(10))
+        return made[-1]
+
+    sender, receiver = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
+    receiver.on(b"t", slow)
+    await sender.start()
+    await receiver.start()
+    try:
+        await eventually(lambda: sender.peers == 1)
+        for payload in (b"1", b"2", b"3"):
+            sender.publish(b"t", payload)
+        await eventually(lambda: len(made) == 3)
+    finally:
+        await sender.stop()
+        await receiver.stop()
+    assert all(coroutine.cr_frame is None for coroutine in made)  # finished or closed
