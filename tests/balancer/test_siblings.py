@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import struct
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
@@ -338,4 +339,4 @@ async def test_handler_work_still_waiting_at_stop_is_closed_not_left_unawaited(
     finally:
         await sender.stop()
         await receiver.stop()
-    assert all(coroutine.cr_frame is None for coroutine in made)  # finished or closed
+    assert all(inspect.getcoroutinestate(c) == "CORO_CLOSED" for c in made)
