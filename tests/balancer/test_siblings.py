@@ -15,7 +15,7 @@ import pytest
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
 from balancer.scrape import Scrape
-from balancer.siblings import SiblingBus, SiblingShare, _Inbound
+from balancer.siblings import Handler, SiblingBus, SiblingShare, _Inbound
 from balancer.worker import Worker
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
@@ -285,6 +285,22 @@ async def test_a_sibling_that_stops_is_no_longer_a_peer(tmp_path: Path) -> None:
         await b.stop()
 
 
+@asynccontextmanager
+async def sending_to(tmp_path: Path, handler: Handler) -> AsyncIterator[SiblingBus]:
+    """A started bus linked to a second one that hands topic ``t`` to ``handler``; both are
+    stopped at the end."""
+    sender, receiver = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
+    receiver.on(b"t", handler)
+    await sender.start()
+    await receiver.start()
+    try:
+        await eventually(lambda: sender.peers == 1)
+        yield sender
+    finally:
+        await sender.stop()
+        await receiver.stop()
+
+
 async def test_awaitable_handlers_run_in_the_order_their_messages_came(tmp_path: Path) -> None:
     done: list[bytes] = []
 
@@ -292,19 +308,11 @@ async def test_awaitable_handlers_run_in_the_order_their_messages_came(tmp_path:
         await asyncio.sleep(0.05 if payload == b"1" else 0)
         done.append(payload)
 
-    sender, receiver = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
-    receiver.on(b"t", slow_first)
-    await sender.start()
-    await receiver.start()
-    try:
-        await eventually(lambda: sender.peers == 1)
+    async with sending_to(tmp_path, slow_first) as sender:
         for payload in (b"1", b"2", b"3"):
             sender.publish(b"t", payload)
         await eventually(lambda: len(done) == 3)
         assert done == [b"1", b"2", b"3"]
-    finally:
-        await sender.stop()
-        await receiver.stop()
 
 
 async def test_a_sibling_that_starts_later_is_found_when_it_connects(tmp_path: Path) -> None:
@@ -327,16 +335,8 @@ async def test_handler_work_still_waiting_at_stop_is_closed_not_left_unawaited(
         made.append(asyncio.sleep(10))
         return made[-1]
 
-    sender, receiver = SiblingBus(tmp_path, rescan_s=0.05), SiblingBus(tmp_path, rescan_s=0.05)
-    receiver.on(b"t", slow)
-    await sender.start()
-    await receiver.start()
-    try:
-        await eventually(lambda: sender.peers == 1)
+    async with sending_to(tmp_path, slow) as sender:
         for payload in (b"1", b"2", b"3"):
             sender.publish(b"t", payload)
         await eventually(lambda: len(made) == 3)
-    finally:
-        await sender.stop()
-        await receiver.stop()
     assert all(inspect.getcoroutinestate(c) == "CORO_CLOSED" for c in made)
