@@ -280,6 +280,7 @@ async def test_a_sibling_that_stops_is_no_longer_a_peer(tmp_path: Path) -> None:
         await eventually(lambda: a.peers == 1 and b.peers == 1)
         await b.stop()
         await eventually(lambda: a.peers == 0)
+        assert a.peers == 0 and b.peers == 0
     finally:
         await a.stop()
         await b.stop()
@@ -320,7 +321,9 @@ async def test_a_sibling_that_starts_later_is_found_when_it_connects(tmp_path: P
     await early.start()
     try:
         await late.start()  # finds the early one and connects: no rescan is due for a minute
-        await eventually(lambda: early.peers == 1 and late.peers == 1)
+        waited_s = await eventually(lambda: early.peers == 1 and late.peers == 1)
+        assert waited_s < early.rescan_s  # found on connect, not by a rescan
+        assert (early.peers, late.peers) == (1, 1)
     finally:
         await early.stop()
         await late.stop()
