@@ -43,6 +43,7 @@ from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
 from loadtest.workloads import build_workload
 from mockengine.settings import DEFAULT_TOKENIZER
+from router.metrics import FLUSH_INTERVAL_S
 
 ROUTERS = ("kv_aware", "smg:cache_aware")
 SCHEDULE = "switchyard_router_schedule_seconds_bucket"
@@ -59,7 +60,9 @@ def workload_for(name: str, requests: int, seed: int) -> Workload:
 
 def schedule_buckets(url: str) -> tuple[dict[float, float], dict[float, float]]:
     """Cumulative counts of the schedule-time histogram by upper bound, of every request and
-    of later turns (chats with earlier answers); both empty for smg."""
+    of later turns (chats with earlier answers); both empty for smg. Read once every
+    process has written its last samples (``FLUSH_INTERVAL_S``)."""
+    time.sleep(2 * FLUSH_INTERVAL_S)
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()

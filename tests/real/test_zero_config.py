@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router.metrics import FLUSH_INTERVAL_S
 from switchyard.realvllm import BLOCK_SIZE, EngineOptions, VllmEngine, launch_engine, wait_healthy
 from tests.real.conftest import MAX_MODEL_LEN, MODEL, reset_caches
 from tests.support import TOKENIZER_DIR, Server, free_port, metric
@@ -60,8 +61,16 @@ def wait_stored(router: Server, before: float, blocks: int, timeout_s: float = 3
         time.sleep(0.1)
 
 
+def settled_metrics(router: Server) -> str:
+    """/metrics once every process has written what it counted: under ``--processes`` (the
+    default) each writes its samples within ``FLUSH_INTERVAL_S``, and the one that answers
+    need not be the one that served the request."""
+    time.sleep(2 * FLUSH_INTERVAL_S)
+    return httpx.get(router.url + "/metrics", headers=AUTH, timeout=10).text
+
+
 def counters(router: Server) -> tuple[float, float]:
-    text = httpx.get(router.url + "/metrics", headers=AUTH, timeout=10).text
+    text = settled_metrics(router)
     return metric(text, PREDICTED), metric(text, ACTUAL)
 
 
@@ -73,7 +82,7 @@ def test_worker_urls_alone_route_each_conversation_to_the_engine_that_holds_it(
         verdicts = parity_of(router)
         assert {v["block_size"] for v in verdicts.values()} == {BLOCK_SIZE}
         assert all(v["ok"] for v in verdicts.values()), verdicts
-        text = httpx.get(router.url + "/metrics", headers=AUTH).text
+        text = settled_metrics(router)
         assert metric(text, "switchyard_router_kv_estimating") == 0
         assert metric(text, "switchyard_router_kv_parity") == len(pair)
         background = "You answer questions about rivers and harbours in full sentences. " * 30
