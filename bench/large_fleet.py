@@ -42,6 +42,7 @@ from loadtest.prom import samples, values
 from loadtest.workloads import build_workload
 from mockengine.fleet import default_processes
 from mockengine.settings import DEFAULT_TOKENIZER
+from router.metrics import FLUSH_INTERVAL_S
 
 MODEL = "mock-model"
 ADMIN_KEY = "large-fleet-bench"
@@ -138,6 +139,8 @@ def wait_fleet_known(url: str, engines: int, timeout_s: float) -> None:
 
 
 def metrics_text(url: str) -> str:
+    """The router's /metrics once every process has written its samples (``FLUSH_INTERVAL_S``)."""
+    time.sleep(2 * FLUSH_INTERVAL_S)
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     return httpx.get(url + "/metrics", headers=headers, timeout=30.0).text
 

@@ -32,6 +32,7 @@ import httpx
 from loadtest.prom import samples
 from loadtest.routers import RouterSpec, RunningRouter, Unavailable, start_router
 from mockengine.settings import DEFAULT_TOKENIZER
+from router.metrics import FLUSH_INTERVAL_S
 from switchyard.realvllm import EngineOptions, build_model, start_engines
 
 MODEL = "bench"
@@ -80,6 +81,7 @@ def router_means(router: RunningRouter) -> str:
     if router.spec.kind != "switchyard":
         return ""
     sums: dict[str, float] = {}
+    time.sleep(2 * FLUSH_INTERVAL_S)  # every process has written its samples
     for s in samples(httpx.get(router.url + "/metrics", timeout=10).text):
         sums[s.name] = sums.get(s.name, 0.0) + s.value
     parts = []

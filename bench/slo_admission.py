@@ -30,6 +30,7 @@ import httpx
 
 from loadtest.procs import Server, free_port
 from loadtest.prom import values
+from router.metrics import FLUSH_INTERVAL_S
 
 
 @dataclass
@@ -117,6 +118,7 @@ def run_case(engines: list[str], case: Case, args: argparse.Namespace, seed: int
     try:
         time.sleep(1.0)  # the first probe and scrape
         asyncio.run(flood(router.url, case, args, seed))
+        time.sleep(2 * FLUSH_INTERVAL_S)  # every process has written its samples
         metrics = httpx.get(router.url + "/metrics", timeout=10).text
         case.ratio_p50 = median_ratio(metrics, "stream" if case.stream else "whole")
     finally:
