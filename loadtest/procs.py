@@ -87,9 +87,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """One free loopback port, chosen as ``free_port_block`` chooses (CI, 2026-12-03: a port
+    the kernel handed out for port 0 was taken again before the mock engine bound it)."""
+    return free_port_block(1)
 
 
 def _ephemeral_low() -> int:
@@ -98,6 +98,11 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+_HANDED_OUT: set[int] = set()
+"""Ports this process handed out already: two calls never return overlapping ports, even
+before the first caller's server has bound its own."""
 
 
 def free_port_block(n: int, rng: random.Random | None = None) -> int:
@@ -109,12 +114,15 @@ def free_port_block(n: int, rng: random.Random | None = None) -> int:
     high = max(_ephemeral_low(), 20000 + n + 1)
     for _ in range(200):
         base = rng.randrange(10000, high - n)
+        if not _HANDED_OUT.isdisjoint(range(base, base + n)):
+            continue
         socks = []
         try:
             for p in range(base, base + n):
                 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 socks.append(s)
                 s.bind(("127.0.0.1", p))
+            _HANDED_OUT.update(range(base, base + n))
             return base
         except OSError:
             continue

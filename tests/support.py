@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.procs import Server, free_port, redis_server, wait_http
+from loadtest.procs import Server, free_port, free_port_block, redis_server, wait_http
 from loadtest.prom import values
 from mockengine.settings import DEFAULT_TOKENIZER
 
@@ -17,6 +17,7 @@ __all__ = [
     "TOKENIZER_DIR",
     "Server",
     "free_port",
+    "free_port_block",
     "metric",
     "one_process",
     "redis_server",

@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ from router.scheduler.policies import build_scheduler
 from router.server import build_app, worker_specs
 from router.settings import RouterSettings
 from switchyard.settings import ServiceSettings
-from tests.support import REPO, TOKENIZER_DIR, Server, free_port, redis_server
+from tests.support import REPO, TOKENIZER_DIR, Server, free_port, free_port_block, redis_server
 
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "kubernetes"
@@ -100,24 +99,6 @@ def cli_flags(command: str) -> frozenset[str]:
         timeout=30,
     ).stdout
     return frozenset(re.findall(r"(?<![\w-])(--[a-z0-9][a-z0-9-]*)", out))
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free loopback ports (mock-fleet lays engines out so)."""
-    for _ in range(100):
-        base = free_port()
-        if base + count < 65536 and all(_bindable(base + i) for i in range(count)):
-            return base
-    raise RuntimeError(f"no run of {count} free ports")
 
 
 def flags_of(args: list[str]) -> list[str]:
@@ -228,7 +209,7 @@ def test_local_stack_router_lists_exactly_the_mock_fleet_ports() -> None:
 
 def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_path: Path) -> None:
     """The documented two commands, moved to free ports: later turns hit the engine's cache."""
-    base, kv_base, port = free_port_run(4), free_port_run(4), free_port()
+    base, kv_base, port = free_port_block(4), free_port_block(4), free_port()
     raw = yaml.safe_load(LOCAL.read_text())
     fleet = plan_fleet(LOCAL, {}, 4, base, 0, 0, kv_base)
     raw["router"]["port"] = port

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +71,16 @@ def test_a_port_block_is_free_end_to_end() -> None:
             s.bind(("127.0.0.1", port))
             bound.append(s.getsockname()[1])
     assert bound == [base, base + 1, base + 2, base + 3]
+
+
+def test_port_blocks_handed_out_never_overlap() -> None:
+    blocks = [set(range(b, b + 3)) for b in (free_port_block(3) for _ in range(200))]
+    assert sum(len(b) for b in blocks) == len(set().union(*blocks))
+
+
+def test_a_free_port_lies_below_the_kernels_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(free_port() < low for _ in range(50))
 
 
 def port_frees_within(port: int, seconds: float) -> bool:

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 import zmq
 
-from tests.support import Server, free_port, metric
+from tests.support import Server, free_port, free_port_block, metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,7 @@ def test_dp_external_serves_one_port_per_rank() -> None:
 
 
 def test_kv_events_of_a_rank_carry_that_rank_on_port_plus_rank() -> None:
-    port, events = free_port(), free_port()
+    port, events = free_port(), free_port_block(2)  # rank r publishes on events + r
     args = ["mock", "--port", str(port), "--dp-size", "2", "--speed", "50"]
     with Server([*args, "--kv-events-port", str(events)], port) as srv:
         ctx = zmq.Context.instance()
