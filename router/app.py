@@ -9,6 +9,7 @@ path (health, models, metrics, admin, docs) goes to the FastAPI control app.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from balancer.worker import Worker
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore
 from router.admission import PRIORITIES, Admission, TTFTModel
+from router.connections import CLIENT_GONE
 from router.control import build_control_app
 from router.errors import RouterError
 from router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
@@ -250,7 +252,6 @@ class RouterApp:
         response = _Response(send)
         status, worker_id = 500, "none"
         task = asyncio.current_task()
-        watcher: asyncio.Task[None] | None = None
         tenant: str | None = None
         admitted = False
         try:
@@ -276,7 +277,8 @@ class RouterApp:
                     req, ctx, ranked, forward_headers, request_id, response, started
                 )
             assert task is not None
-            watcher = asyncio.create_task(self._watch_disconnect(receive, task, response))
+            when_gone = scope["extensions"][CLIENT_GONE]
+            when_gone(functools.partial(self._on_client_gone, task, response))
             status, worker_id = await dispatch
         except RouterError as exc:
             status = exc.status
@@ -303,8 +305,6 @@ class RouterApp:
                 request_id,
             )
         finally:
-            if watcher is not None:
-                watcher.cancel()
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
@@ -384,17 +384,12 @@ class RouterApp:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def _watch_disconnect(
-        self, receive: Receive, task: asyncio.Task[Any], response: _Response
-    ) -> None:
+    @staticmethod
+    def _on_client_gone(task: asyncio.Task[Any], response: _Response) -> None:
         """Cancel the request the moment the client disconnects, so the worker sees the abort."""
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not response.finished:
-                    response.client_gone = True
-                    task.cancel()
-                return
+        if not response.finished:
+            response.client_gone = True
+            task.cancel()
 
     def _no_candidates(self, model: str) -> RouterError:
         if self.fleet.has_model(model) or not self.fleet.models():

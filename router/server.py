@@ -33,7 +33,7 @@ from kvstore.remote import RemoteKVStore
 from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from router.app import RouterApp
-from router.connections import BoundedHttpToolsProtocol, ConnectionLimits
+from router.connections import ClientConnection, ConnectionLimits
 from router.metrics import METRICS_DIR_ENV, write_metrics_behind
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
@@ -399,16 +399,16 @@ def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
         "access_log": False,
         "proxy_headers": False,  # the router reads no X-Forwarded-*: one ASGI layer less
         "log_level": settings.log_level,
-        "timeout_keep_alive": settings.keep_alive_timeout_s,
         "timeout_graceful_shutdown": graceful_window_s(settings),
         # Not uvicorn's limit_concurrency: its 503 is plain text and leaves idle connections.
         "http": functools.partial(
-            BoundedHttpToolsProtocol,
+            ClientConnection,
             limits=ConnectionLimits(
                 header_timeout_s=settings.header_timeout_s,
                 body_timeout_s=settings.body_timeout_s,
                 max_connections=settings.max_client_connections,
                 max_header_bytes=settings.max_header_bytes,
+                keep_alive_s=settings.keep_alive_timeout_s,
                 retry_after_s=settings.retry_after_s,
             ),
         ),

@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator
 import orjson
 import pytest
 
-from router.connections import _HeadWithBody
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port, one_process
 
@@ -145,47 +144,3 @@ def test_a_head_growing_past_the_header_cap_is_refused_431_before_it_ends(
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 431")
     assert orjson.loads(body)["error"]["code"] == "headers_too_large"
-
-
-class RecordingTransport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    def close(self) -> None:
-        self.closed = True
-
-    def is_closing(self) -> bool:
-        return self.closed
-
-
-HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
-
-
-def test_a_response_head_goes_out_with_its_first_body_bytes_in_one_write() -> None:
-    transport = RecordingTransport()
-    view = _HeadWithBody(transport)  # type: ignore[arg-type]
-    view.write(HEAD)
-    assert transport.writes == []
-    view.write(b"{}")
-    view.write(b"more")
-    assert transport.writes == [HEAD + b"{}", b"more"]
-
-
-def test_a_100_continue_is_written_at_once_not_held() -> None:
-    transport = RecordingTransport()
-    view = _HeadWithBody(transport)  # type: ignore[arg-type]
-    view.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    assert transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
-
-
-def test_closing_with_a_head_still_held_writes_it_first() -> None:
-    transport = RecordingTransport()
-    view = _HeadWithBody(transport)  # type: ignore[arg-type]
-    view.write(HEAD)
-    view.close()
-    assert transport.writes == [HEAD]
-    assert transport.closed
