@@ -350,6 +350,8 @@ class ClientConnection(asyncio.Protocol):
                 exchange.lost()
         for exchange, _ in self.pipeline:
             exchange.lost()
+        self.answering = self.reading = None
+        self.pipeline.clear()
         if self.write_paused is not None and not self.write_paused.done():
             self.write_paused.set_result(None)
         self.write_paused = None
@@ -523,6 +525,12 @@ class ClientConnection(asyncio.Protocol):
                 await exchange.send_500()
             else:
                 self.transport.close()
+        finally:
+            # The scope holds ``when_gone``, bound to the exchange that holds the scope: left
+            # as a cycle, each request's objects waited for the collector, whose young
+            # collections then freed ~80k objects at once (115 ms pauses, p99 at 32
+            # connections 20 -> 100+ ms; measured 2026-12-03).
+            exchange.scope["extensions"] = None
 
     def answered(self, exchange: Exchange) -> None:
         """``exchange``'s response is written: close, start the next pipelined request,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 from typing import Any
@@ -11,7 +12,7 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from router.connections import CLIENT_GONE, ClientConnection, ConnectionLimits
+from router.connections import CLIENT_GONE, ClientConnection, ConnectionLimits, Exchange
 
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 LIMITS = ConnectionLimits(
@@ -322,3 +323,23 @@ async def test_a_body_before_the_head_is_refused_with_a_500(kind: str) -> None:
     conn.data_received(POST)
     await settle()
     assert transport.sent.startswith(b"HTTP/1.1 500")
+
+
+async def test_an_answered_request_leaves_no_reference_cycle() -> None:
+    """Cycles wait for the collector: at 32 connections its pauses took p99 to 100+ ms."""
+    gc.collect()
+    gc.disable()
+    try:
+        conn, _ = connect(answer())
+        conn.data_received(POST)
+        await settle()
+        conn.data_received(POST)  # the connection lets go of the first exchange
+        await settle()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        leaked = [o for o in gc.garbage if isinstance(o, Exchange)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert leaked == []
