@@ -299,8 +299,10 @@ class ClientConnection(asyncio.Protocol):
         self.pipeline: deque[tuple[Exchange, ASGIApp]] = deque()
         self.reading_paused = False
         self.write_paused: asyncio.Future[None] | None = None
-        self._deadline: asyncio.TimerHandle | None = None
-        self._deadline_kind = ""
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline_kind = ""  # "": none; head, body, idle or linger
+        self._due = 0.0
+        self._expired: Callable[[], None] = self._close_now
         # Bytes received since the current request head began (None: its head is complete;
         # -1: refused as too large). Counted per read, so a read that also carries body
         # bytes may count them: only a head still incomplete after the read is refused.
@@ -309,19 +311,32 @@ class ClientConnection(asyncio.Protocol):
     # -- deadlines ---------------------------------------------------------------------
 
     def _arm(self, kind: str, seconds: float, expired: Callable[[], None]) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-        self._deadline = self.loop.call_later(seconds, expired)
-        self._deadline_kind = kind
+        """Set the connection's one deadline. Its timer is made only when none is pending
+        or the new deadline comes first; one that fires early re-arms for the current one.
+        Three timers a request (head, body, idle) were 2% of the router's CPU in py-spy on
+        the fixed backend (2026-12-03)."""
+        due = self.loop.time() + seconds
+        self._deadline_kind, self._due, self._expired = kind, due, expired
+        timer = self._timer
+        if timer is None or due < timer.when():
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(due, self._expire)
 
     def _disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-            self._deadline_kind = ""
+        self._deadline_kind = ""
+
+    def _expire(self) -> None:
+        self._timer = None
+        if not self._deadline_kind:
+            return
+        if self.loop.time() < self._due:
+            self._timer = self.loop.call_at(self._due, self._expire)
+            return
+        self._deadline_kind = ""
+        self._expired()
 
     def _head_too_slow(self) -> None:
-        self._deadline = None
         if not self.transport.is_closing():
             timeout = self.limits.header_timeout_s
             message = f"The request head did not arrive within {timeout:g} s"
@@ -329,7 +344,6 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def _close_now(self) -> None:
-        self._deadline = None
         if not self.transport.is_closing():
             self.transport.close()
 
@@ -345,6 +359,9 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.connections.discard(self)
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for exchange in (self.answering, self.reading):
             if exchange is not None:
                 exchange.lost()
@@ -546,7 +563,7 @@ class ClientConnection(asyncio.Protocol):
             self.resume_reading()
         else:
             self.resume_reading()
-            if self._head_bytes == 0 and self._deadline is None:
+            if self._head_bytes == 0 and not self._deadline_kind:
                 self._arm("idle", self.limits.keep_alive_s, self._close_now)
 
     def shutdown(self) -> None:
