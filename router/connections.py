@@ -408,9 +408,6 @@ class ClientConnection(asyncio.Protocol):
             self.transport.write_eof()
         self._arm("linger", _LINGER_S, self.transport.close)
 
-    def eof_received(self) -> None:
-        return None  # keep our side open until the answer is written
-
     def pause_writing(self) -> None:
         if self.write_paused is None:
             self.write_paused = self.loop.create_future()
