@@ -455,7 +455,8 @@ class ClientConnection(asyncio.Protocol):
         if b"?" in url or b"%" in url or not url.startswith(b"/"):
             parsed = httptools.parse_url(url)
             raw_path, query = parsed.path, parsed.query or b""
-            path = unquote(raw_path.decode("ascii")) if b"%" in raw_path else raw_path.decode()
+            path = raw_path.decode("ascii")
+            path = unquote(path) if "%" in path else path
         else:
             raw_path, query, path = url, b"", url.decode("ascii")
         exchange = Exchange(

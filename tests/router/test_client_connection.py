@@ -199,13 +199,16 @@ async def test_expect_100_continue_is_answered_when_the_app_reads() -> None:
     assert transport.writes[1].startswith(b"HTTP/1.1 200")
 
 
+def error_then_close(transport: RecordingTransport) -> tuple[bytes, str, bool]:
+    """The status line, the OpenAI error code of the answer, and whether it closed."""
+    head, _, body = transport.sent.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], orjson.loads(body)["error"]["code"], transport.closed
+
+
 async def test_a_malformed_request_gets_400_in_the_openai_shape_and_a_close() -> None:
     conn, transport = connect(answer())
     conn.data_received(b"NOT HTTP AT ALL\r\n\r\n")
-    head, _, body = transport.sent.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 400")
-    assert orjson.loads(body)["error"]["code"] == "invalid_request"
-    assert transport.closed
+    assert error_then_close(transport) == (b"HTTP/1.1 400 Bad Request", "invalid_request", True)
 
 
 async def test_an_app_that_raises_before_answering_gets_a_500_in_the_openai_shape() -> None:
@@ -215,10 +218,8 @@ async def test_an_app_that_raises_before_answering_gets_a_500_in_the_openai_shap
     conn, transport = connect(app)
     conn.data_received(POST)
     await settle()
-    head, _, body = transport.sent.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 500")
-    assert orjson.loads(body)["error"]["code"] == "internal_error"
-    assert transport.closed
+    answer_500 = (b"HTTP/1.1 500 Internal Server Error", "internal_error", True)
+    assert error_then_close(transport) == answer_500
 
 
 async def test_an_app_that_raises_mid_answer_has_its_connection_closed() -> None:
