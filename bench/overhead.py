@@ -123,13 +123,16 @@ def run_wrk(
     )
 
 
-def process(argv: list[str], port: int, health_path: str) -> Server:
+def process(
+    argv: list[str], port: int, health_path: str, env: dict[str, str] | None = None
+) -> Server:
     """A server process in its own group, quiet, up once ``health_path`` answers."""
     return Server(
         [],
         port,
         health_path,
         argv=argv,
+        env=env,
         own_group=True,
         capture_stderr=False,
         start_timeout_s=30,
