@@ -25,7 +25,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.overhead import ANSWER, MODELS, NGINX_CONF, WRK_LUA, process, router_argv, run_wrk
+from bench.overhead import fixed_backend, process, router_argv, run_wrk, smg_router
 from loadtest.procs import REPO, Server, cpu_seconds, free_port
 
 
@@ -64,28 +64,13 @@ def main() -> None:
     smg = None if args.no_smg else shutil.which("smg")
 
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        tmpdir = Path(tmp)
-        lua = tmpdir / "post.lua"
-        lua.write_text(WRK_LUA)
-        nginx_port = free_port()
-        conf = tmpdir / "nginx.conf"
-        conf.write_text(
-            NGINX_CONF.format(dir=tmpdir, port=nginx_port, answer=ANSWER, models=MODELS)
-        )
-        backend = f"http://127.0.0.1:{nginx_port}"
-        stack.enter_context(
-            process(["nginx", "-c", str(conf), "-p", str(tmpdir)], nginx_port, "/health")
-        )
+        backend, lua = fixed_backend(stack, Path(tmp))
         servers = {
             "this checkout": stack.enter_context(router(REPO, backend)),
             args.against: stack.enter_context(router(worktree(stack, args.against), backend)),
         }
         if smg:
-            port = free_port()
-            argv = [smg, "launch", "--worker-urls", backend, "--policy", "round_robin"]
-            argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error"]
-            argv += ["--prometheus-port", str(free_port())]
-            servers["smg"] = stack.enter_context(process(argv, port, "/health"))
+            servers["smg"] = stack.enter_context(smg_router(smg, backend))
         names = list(servers)
         runs: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
         for r in range(args.rounds):

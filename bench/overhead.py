@@ -140,6 +140,26 @@ def process(
     )
 
 
+def fixed_backend(stack: ExitStack, tmpdir: Path) -> tuple[str, Path]:
+    """nginx answering ``ANSWER``, up until ``stack`` closes; its URL and the wrk script."""
+    lua = tmpdir / "post.lua"
+    lua.write_text(WRK_LUA)
+    port = free_port()
+    conf = tmpdir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=tmpdir, port=port, answer=ANSWER, models=MODELS))
+    stack.enter_context(process(["nginx", "-c", str(conf), "-p", str(tmpdir)], port, "/health"))
+    return f"http://127.0.0.1:{port}", lua
+
+
+def smg_router(smg: str, backend: str) -> Server:
+    """``smg launch`` round-robin in front of ``backend`` (its policy for one worker)."""
+    port = free_port()
+    argv = [smg, "launch", "--worker-urls", backend, "--policy", "round_robin"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "error"]
+    argv += ["--prometheus-port", str(free_port())]
+    return process(argv, port, "/health")
+
+
 async def sse_rate(url: str, streams: int, duration: float) -> float:
     """SSE events per second received over ``streams`` concurrent streaming requests."""
     count = 0
@@ -185,18 +205,7 @@ def main() -> None:
     smg = None if args.no_smg else shutil.which("smg")
 
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
-        tmpdir = Path(tmp)
-        lua = tmpdir / "post.lua"
-        lua.write_text(WRK_LUA)
-        nginx_port = free_port()
-        conf = tmpdir / "nginx.conf"
-        conf.write_text(
-            NGINX_CONF.format(dir=tmpdir, port=nginx_port, answer=ANSWER, models=MODELS)
-        )
-        backend = f"http://127.0.0.1:{nginx_port}"
-        stack.enter_context(
-            process(["nginx", "-c", str(conf), "-p", str(tmpdir)], nginx_port, "/health")
-        )
+        backend, lua = fixed_backend(stack, Path(tmp))
         targets = {"direct": backend}
         sy_port = free_port()
         stack.enter_context(
@@ -213,30 +222,7 @@ def main() -> None:
         )
         targets["switchyard"] = f"http://127.0.0.1:{sy_port}"
         if smg:
-            smg_port = free_port()
-            stack.enter_context(
-                process(
-                    [
-                        smg,
-                        "launch",
-                        "--worker-urls",
-                        backend,
-                        "--policy",
-                        "round_robin",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(smg_port),
-                        "--log-level",
-                        "error",
-                        "--prometheus-port",
-                        str(free_port()),
-                    ],
-                    smg_port,
-                    "/health",
-                )
-            )
-            targets["smg"] = f"http://127.0.0.1:{smg_port}"
+            targets["smg"] = stack.enter_context(smg_router(smg, backend)).url
         for url in targets.values():
             httpx.post(
                 url + "/v1/completions", content=BODY, headers={"Content-Type": "application/json"}
