@@ -31,7 +31,9 @@ from loadtest.procs import REPO, Server, cpu_seconds, free_port
 
 def worktree(stack: ExitStack, rev: str) -> Path:
     """``rev`` checked out in a temporary directory, removed at the end."""
-    path = Path(tempfile.mkdtemp(prefix="sy-against-")) / "tree"
+    parent = Path(tempfile.mkdtemp(prefix="sy-against-"))
+    stack.callback(shutil.rmtree, parent, ignore_errors=True)
+    path = parent / "tree"
     subprocess.run(
         ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), rev], check=True
     )
