@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import zmq
-import zmq.asyncio
 
 from kvstore.events import decode_seq
+from switchyard.zmqrecv import ZmqContext, messages
 
 log = logging.getLogger("switchyard.kvstore.listener")
 
@@ -92,7 +92,7 @@ class TopicMap:
 class Listener:
     """Receives every connecting engine's frames on one bound socket."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, on_frame: TopicHandler) -> None:
+    def __init__(self, ctx: ZmqContext, endpoint: str, on_frame: TopicHandler) -> None:
         self._ctx = ctx
         self.endpoint = endpoint
         self._on_frame = on_frame
@@ -117,7 +117,7 @@ class Listener:
             self._task = None
 
     async def _run(self) -> None:
-        sock = self._ctx.socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -131,8 +131,7 @@ class Listener:
             return
         self._bound.set()
         try:
-            while True:
-                frames = await sock.recv_multipart()
+            async for frames in messages(sock):
                 if len(frames) < 3:
                     continue
                 try:

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-import zmq.asyncio
-
 from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
 from kvstore.feed import Feed, FeedInfo, Verdict
 from kvstore.index import KVIndex, Location, LocationInfo, Match, rank_matches
@@ -34,6 +32,7 @@ from kvstore.metrics import KVStoreMetrics
 from kvstore.registry import FleetFollower, StaticWorker
 from kvstore.subscriber import Subscriber, request_replay
 from kvstore.tokenize import RoutingTokenizer
+from switchyard.zmqrecv import ZmqContext
 
 log = logging.getLogger("switchyard.kvstore")
 
@@ -117,7 +116,7 @@ class KVStore:
         # Block keys of prompts seen before: turn k+1 of a chat keys only its new blocks.
         self.key_cache = KeyCache(key_cache_bytes)
         self.degraded = False
-        self._ctx: zmq.asyncio.Context | None = None
+        self._ctx: ZmqContext | None = None
         self._subscribers: dict[str, Subscriber] = {}
         self._http_feeds: dict[str, Feed] = {}
         # Engines that connect to us (--kv-listen): one feed per topic.
@@ -137,7 +136,7 @@ class KVStore:
             return
         self._started = True
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = ZmqContext()
         for sub in self._subscribers.values():
             sub.start()
         if self._listener is not None:
@@ -397,7 +396,7 @@ class KVStore:
         if endpoint in self._subscribers:
             return
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = ZmqContext()
         feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
         sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up)
         self._subscribers[endpoint] = sub
@@ -433,7 +432,7 @@ class KVStore:
         if self._listener is not None:
             raise ValueError("one --kv-listen endpoint per store")
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = ZmqContext()
         self._listener = Listener(self._ctx, endpoint, self._on_topic_frame)
 
     @property

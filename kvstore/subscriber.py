@@ -1,10 +1,10 @@
 """ZMQ SUB client for one engine publisher, with replay over its ROUTER socket.
 
-Runs as an asyncio task on the store's loop (``zmq.asyncio``), so index updates and
-lookups never race. Replay protocol (vLLM): a DEALER sends ``[b"", start_seq]`` (8 bytes,
-big-endian) to the publisher's ROUTER socket; it answers ``[b"", topic, seq, payload]``
-per buffered batch, then ``seq = -1``. Older publishers leave the topic out, so the
-sequence and payload are read from the end of the frames.
+Runs as an asyncio task on the store's loop (``switchyard.zmqrecv`` reads the socket),
+so index updates and lookups never race. Replay protocol (vLLM): a DEALER sends
+``[b"", start_seq]`` (8 bytes, big-endian) to the publisher's ROUTER socket; it answers
+``[b"", topic, seq, payload]`` per buffered batch, then ``seq = -1``. Older publishers
+leave the topic out, so the sequence and payload are read from the end of the frames.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from kvstore.events import EventDecodeError, decode_seq
 from kvstore.feed import Feed
-from switchyard.zmqrecv import messages
+from switchyard.zmqrecv import ZmqContext, messages
 
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
@@ -27,10 +27,10 @@ CatchUp = Callable[[Feed], Awaitable[None]]
 
 
 async def request_replay(
-    ctx: zmq.asyncio.Context, endpoint: str, start_seq: int, timeout_s: float = 1.0
+    ctx: ZmqContext, endpoint: str, start_seq: int, timeout_s: float = 1.0
 ) -> list[tuple[int, bytes]] | None:
     """Buffered batches from ``start_seq`` on, or ``None`` if the publisher did not answer."""
-    sock = ctx.socket(zmq.DEALER)
+    sock = zmq.asyncio.Socket(ctx, zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
@@ -53,7 +53,7 @@ async def request_replay(
 class Subscriber:
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
+        ctx: ZmqContext,
         feed: Feed,
         on_frame: Handler,
         catch_up: CatchUp | None = None,
@@ -80,7 +80,7 @@ class Subscriber:
 
     async def _run(self) -> None:
         assert self.feed.endpoint is not None
-        sock = self._ctx.socket(zmq.SUB)
+        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         sock.setsockopt(zmq.SUBSCRIBE, b"")

@@ -1,32 +1,51 @@
-"""Reading a zmq.asyncio socket message by message, a burst at a time.
+"""Reading a ZMQ socket from the event loop: message by message, a burst at a time.
 
-Each awaited ``recv_multipart`` of zmq.asyncio registers a future and a poll state with
-the loop; a message already waiting needs none of that. ``messages`` awaits the first
-message of a burst, then takes the rest with non-blocking reads on a shadow of the same
-socket. The KV-event subscriber and the sibling bus read this way (their
-``_add_recv_event`` was a quarter of the subscriber's and half of the bus receiver's
-py-spy samples on the multi-turn replay, 2026-12-03).
+The socket is a plain ``zmq.Socket``: the loop watches its ``FD`` (``add_reader``) only
+while nothing is left to read, and each wake-up takes every message waiting, up to
+``BURST``, with non-blocking reads. zmq.asyncio did the same through a future and a poll
+state per awaited receive plus its own readiness bookkeeping on every wake-up: its
+``_handle_events`` and ``_add_recv_event`` were 9% of one router process's py-spy samples
+on the multi-turn replay (2026-12-03, one KV-event message or so per wake-up there).
+
+ZMQ's ``FD`` signals edges: once it fired, the socket must be read until ``zmq.Again``
+before waiting on it again. That is the only order this reader uses.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import zmq
-import zmq.asyncio
 
+# The one context type the KV-event readers share (sockets of bytes frames).
+ZmqContext = zmq.Context[zmq.Socket[bytes]]
 # Messages taken without a wait before the loop gets a turn again.
 BURST = 64
 
 
-async def messages(sock: zmq.asyncio.Socket) -> AsyncIterator[list[bytes]]:
+async def messages(sock: zmq.Socket[bytes]) -> AsyncIterator[list[bytes]]:
     """Every multipart message of ``sock``, in order, for as long as it is read."""
-    shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+    loop = asyncio.get_running_loop()
+    fd: int = sock.FD
     while True:
-        yield await sock.recv_multipart()
-        for _ in range(BURST - 1):
+        for _ in range(BURST):
             try:
-                frames = shadow.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             yield frames
+        else:
+            await asyncio.sleep(0)  # a full burst: others take a turn, then read on
+            continue
+        readable = loop.create_future()
+        loop.add_reader(fd, _wake, readable)
+        try:
+            await readable
+        finally:
+            loop.remove_reader(fd)
+
+
+def _wake(readable: asyncio.Future[None]) -> None:
+    if not readable.done():
+        readable.set_result(None)

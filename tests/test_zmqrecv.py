@@ -7,16 +7,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 import zmq
-import zmq.asyncio
 
-from switchyard.zmqrecv import BURST, messages
+from switchyard.zmqrecv import BURST, ZmqContext, messages
 
 pytestmark = pytest.mark.timeout(30)
 
 
-async def pair() -> tuple[zmq.asyncio.Context, zmq.asyncio.Socket, zmq.asyncio.Socket]:
-    ctx = zmq.asyncio.Context()
-    pull = ctx.socket(zmq.PULL)
+async def pair() -> tuple[ZmqContext, zmq.Socket[bytes], zmq.Socket[bytes]]:
+    ctx: ZmqContext = zmq.Context()
+    pull: zmq.Socket[bytes] = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{port}")
@@ -32,7 +31,7 @@ async def test_a_burst_longer_than_one_turn_arrives_whole_and_in_order() -> None
     try:
         sent = [[b"t", str(i).encode()] for i in range(3 * BURST + 5)]
         for frames in sent:
-            await push.send_multipart(frames)
+            push.send_multipart(frames)
         async with asyncio.timeout(5):
             got = await take(messages(pull), len(sent))
         assert got == sent
@@ -44,14 +43,39 @@ async def test_after_a_burst_the_reader_waits_for_the_next_message() -> None:
     ctx, push, pull = await pair()
     try:
         stream = messages(pull)
-        await push.send_multipart([b"first"])
+        push.send_multipart([b"first"])
         async with asyncio.timeout(5):
             assert await anext(stream) == [b"first"]
         waiting = asyncio.ensure_future(anext(stream))
         await asyncio.sleep(0.1)
         assert not waiting.done()
-        await push.send_multipart([b"later"])
+        push.send_multipart([b"later"])
         async with asyncio.timeout(5):
             assert await waiting == [b"later"]
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_reader_cancelled_while_waiting_leaves_no_watch_on_the_socket() -> None:
+    ctx, push, pull = await pair()
+    try:
+        waiting = asyncio.ensure_future(anext(messages(pull)))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert not asyncio.get_running_loop().remove_reader(pull.FD)
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_message_sent_between_two_reads_wakes_the_reader() -> None:
+    ctx, push, pull = await pair()
+    try:
+        stream = messages(pull)
+        for i in range(20):
+            push.send_multipart([str(i).encode()])
+            async with asyncio.timeout(5):
+                assert await anext(stream) == [str(i).encode()]
     finally:
         ctx.destroy(linger=0)
