@@ -112,22 +112,20 @@ class Relay:
         from vLLM/SGLang), so the load model sees decode contexts grow. Raises
         UpstreamTimeout if the stream goes idle.
         """
-        loop = asyncio.get_running_loop()
         idle = self.idle_timeout_s
+        resp.idle_timeout(idle)
         chunks = 1
         previous, last = b"", first
         try:
-            async with asyncio.timeout(idle) as deadline:
-                while True:
-                    chunk = await resp.readany()
-                    if not chunk:
-                        return previous + last
-                    chunks += 1
-                    if not chunks & 15:
-                        on_progress(chunks)
-                    previous, last = last, chunk
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    deadline.reschedule(loop.time() + idle)
+            while True:
+                chunk = await resp.readany()
+                if not chunk:
+                    return previous + last
+                chunks += 1
+                if not chunks & 15:
+                    on_progress(chunks)
+                previous, last = last, chunk
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except TimeoutError:
             raise UpstreamTimeout(f"stream idle for more than {idle}s") from None
 

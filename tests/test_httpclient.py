@@ -124,6 +124,44 @@ async def test_chunks_of_a_stream_are_read_as_they_arrive(serve, pool) -> None:
     assert await resp.readany() == b""
 
 
+def chunks_every(gap_s: float, count: int, then_silent: bool) -> Script:
+    """A chunked stream of ``count`` chunks ``gap_s`` apart, then its end or silence."""
+
+    async def script(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(count):
+            w.write(b"1\r\nx\r\n")
+            await w.drain()
+            await asyncio.sleep(gap_s)
+        if then_silent:
+            await asyncio.sleep(30)
+        w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    return script
+
+
+async def test_a_stream_silent_for_its_idle_timeout_raises_timeout_error(serve, pool) -> None:
+    worker = await serve(chunks_every(0.0, 1, then_silent=True))
+    resp = await pool.post(worker.url, b"{}", {})
+    resp.idle_timeout(0.3)
+    assert await resp.readany() == b"x"
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(TimeoutError):
+        await resp.readany()
+    assert 0.25 <= loop.time() - began < 2.0
+    resp.close()
+
+
+async def test_chunks_closer_than_the_idle_timeout_keep_a_long_stream_going(serve, pool) -> None:
+    worker = await serve(chunks_every(0.1, 8, then_silent=False))
+    resp = await pool.post(worker.url, b"{}", {})
+    resp.idle_timeout(0.3)
+    assert await resp.read() == b"x" * 8  # 0.8 s in all, never 0.3 s without a chunk
+
+
 def answer_then_close(raw: bytes) -> Script:
     """A worker that answers one request with ``raw`` and closes the connection."""
 
