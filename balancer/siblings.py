@@ -22,6 +22,7 @@ bookkeeping: measured 2026-12-03 (wrk against nginx, two processes, one worker) 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import inspect
 import logging
 import os
@@ -60,6 +61,37 @@ BATCH_S = 0.002
 # drops at its high-water mark): a stalled process must not grow the others' memory.
 MAX_BUFFERED_BYTES = 16 << 20
 _LENGTH = struct.Struct(">I")
+
+
+class ProcessLock:
+    """A lock only one process of the router holds at a time (``flock`` on a file of the
+    bus directory): who does what only one should. The OS lets it go with its process."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> bool:
+        """Take the lock if no other process holds it; True while this one does."""
+        if self._fd is not None:
+            return True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class _Inbound(asyncio.Protocol):

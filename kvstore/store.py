@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
 from kvstore.feed import Feed, FeedInfo, Verdict
-from kvstore.index import KVIndex, Location, LocationInfo, Match, rank_matches
+from kvstore.index import Clear, KVIndex, Location, LocationInfo, Match, Op, rank_matches
 from kvstore.ingest import Ingestor
 from kvstore.keys import KEY_CACHE_BYTES, KeyCache, key_extra
 from kvstore.listener import Listener, TopicMap
@@ -128,6 +128,11 @@ class KVStore:
         self._probe: asyncio.Task[None] | None = None
         self._started = False
         self._timeouts_in_row = 0
+        # Another process of the router follows the engines' events and shares the index
+        # operations they become (``apply_shared``): this one's subscribers stay stopped.
+        self.events_from_sibling = False
+        # Told of the operations each applied event batch (or a feed's clear) became.
+        self.on_ops: Callable[[str, int | None, list[Op]], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -137,8 +142,9 @@ class KVStore:
         self._started = True
         if self._ctx is None:
             self._ctx = ZmqContext()
-        for sub in self._subscribers.values():
-            sub.start()
+        if not self.events_from_sibling:
+            for sub in self._subscribers.values():
+                sub.start()
         if self._listener is not None:
             self._listener.start()
             await self._listener.bound()
@@ -400,7 +406,7 @@ class KVStore:
         feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
         sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up)
         self._subscribers[endpoint] = sub
-        if self._started:
+        if self._started and not self.events_from_sibling:
             sub.start()
 
     def _fleet_follower(self) -> FleetFollower:
@@ -555,6 +561,27 @@ class KVStore:
         for rank in ranks:
             await self._guard("clear", partial(self.index.clear, feed.instance, rank))
         self.metrics.clears.labels(feed.instance, reason).inc()
+        if self.on_ops is not None:
+            self.on_ops(feed.instance, None, [Clear(feed.instance, rank) for rank in ranks])
+
+    async def follow_events(self) -> None:
+        """Follow the engines' events here from now on (the sibling that did is gone).
+
+        A subscriber that starts catches up from the publisher's replay buffer where it
+        has one, as a process that starts after its engines does.
+        """
+        if not self.events_from_sibling:
+            return
+        self.events_from_sibling = False
+        if self._started:
+            for sub in self._subscribers.values():
+                sub.start()
+
+    async def apply_shared(self, instance: str, block_size: int | None, ops: list[Op]) -> None:
+        """Index operations a sibling process made of ``instance``'s events."""
+        if block_size is not None and self.instance_block_sizes.get(instance) != block_size:
+            self.instance_block_sizes[instance] = block_size
+        await self._guard("apply", lambda: self.index.apply(ops))
 
     async def _apply(self, feed: Feed, batch: EventBatch) -> None:
         st = feed.ingestor.stats
@@ -570,6 +597,8 @@ class KVStore:
             if ops:
                 await self._guard("apply", lambda: self.index.apply(ops))
         self._learn_block_size(feed)
+        if ops and self.on_ops is not None:
+            self.on_ops(feed.instance, feed.ingestor.block_size, ops)
         m.blocks_stored.inc(st.blocks_stored - before[0])
         m.blocks_removed.inc(st.blocks_removed - before[1])
         m.orphan_blocks.inc(st.orphan_blocks - before[2])

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from balancer.siblings import SiblingBus
+from balancer.siblings import ProcessLock, SiblingBus
+from kvstore.index import Add, Clear, Location, Op, Remove
 from kvstore.keys import KeyCache
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
@@ -37,6 +38,10 @@ if TYPE_CHECKING:
 OCCUPANCY_TTL_S = 0.1
 PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
 TOKENS = b"tokens"  # sibling-bus topic: a chat message another process tokenized
+OPS = b"kvops"  # sibling-bus topic: index operations of the engines' events, from the follower
+# How often a process whose sibling follows the engines' events tries to take that over.
+TAKE_OVER_S = 1.0
+_ADD, _REMOVE, _CLEAR = 0, 1, 2
 PROBE_CHARS = 512
 PROBE_GROWTH = 4
 
@@ -113,13 +118,16 @@ class EmbeddedPrefixes:
         clock: Callable[[], float] = time.monotonic,
         siblings: SiblingBus | None = None,
     ) -> None:
-        """``siblings``: the other processes of this router, told of every placement (each
-        follows the engines' events itself; placements are what only one process knows)."""
+        """``siblings``: the other processes of this router, told of every placement, every
+        chat message tokenized and, from the one that follows the engines' events, the
+        index operations those became."""
         self.store = store
         self.clock = clock  # when the occupancy snapshot is stale (a simulator's own clock)
         self.siblings = siblings
         self._occupancy: dict[str, int] = {}
         self._occupancy_at = -1.0
+        self._events_lock: ProcessLock | None = None
+        self._take_over: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         if self.siblings is not None:
@@ -127,7 +135,35 @@ class EmbeddedPrefixes:
             self.siblings.on(TOKENS, self._on_sibling_tokens)
             for model, tok in [("", self.store.tokenizer), *self.store.model_tokenizers.items()]:
                 tok.on_message = self._share_tokens(model)
+            if self.store.index.kind == "memory":
+                self._share_events(self.siblings)
         await self.store.start()
+
+    def _share_events(self, bus: SiblingBus) -> None:
+        """One process follows the engines' KV events for all (the holder of a lock of the
+        bus directory) and sends the index operations they become; the others apply those
+        and keep their subscribers stopped until the lock comes free (its process ended),
+        then follow the events themselves, catching up from the engines' replay buffers.
+        Each process re-keying every event was a third of each one's CPU on the
+        multi-turn replay with two processes (py-spy, 2026-12-03)."""
+        self._events_lock = ProcessLock(bus.directory / "kv-events.lock")
+        bus.on(OPS, self._on_sibling_ops)
+        self.store.on_ops = lambda instance, size, ops: bus.publish(
+            OPS, _pack_ops(instance, size, ops)
+        )
+        if not self._events_lock.acquire():
+            self.store.events_from_sibling = True
+            self._take_over = asyncio.get_running_loop().create_task(
+                self._await_events_lock(self._events_lock), name="kv-events:take-over"
+            )
+
+    async def _await_events_lock(self, lock: ProcessLock) -> None:
+        while not lock.acquire():
+            await asyncio.sleep(TAKE_OVER_S)
+        await self.store.follow_events()
+
+    async def _on_sibling_ops(self, origin: str, payload: bytes) -> None:
+        await self.store.apply_shared(*_unpack_ops(payload))
 
     def _share_tokens(self, model: str) -> Callable[[bytes, list[int]], None]:
         """Tell the other processes each chat message this one tokenizes: the next turn of a
@@ -147,7 +183,13 @@ class EmbeddedPrefixes:
         self.store.tokenizer_for(model or None).learn(key, ids)
 
     async def stop(self) -> None:
+        if self._take_over is not None:
+            self._take_over.cancel()
+            await asyncio.gather(self._take_over, return_exceptions=True)
+            self._take_over = None
         await self.store.stop()
+        if self._events_lock is not None:
+            self._events_lock.release()
 
     def follow(self, fleet: FleetView) -> None:
         self.store.follow_fleet(fleet)
@@ -268,6 +310,32 @@ class EmbeddedPrefixes:
 
     def expose(self, registry: CollectorRegistry) -> None:
         registry.register(self.store.metrics.registry)
+
+
+def _pack_ops(instance: str, block_size: int | None, ops: list[Op]) -> bytes:
+    """Index operations of one instance as the bus carries them (msgpack)."""
+    wire: list[tuple[int, int | None, str, list[int]]] = []
+    for op in ops:
+        if isinstance(op, Clear):
+            wire.append((_CLEAR, op.dp_rank, "", []))
+        else:
+            loc = op.location
+            wire.append((_ADD if isinstance(op, Add) else _REMOVE, loc.dp_rank, loc.tier, op.keys))
+    packed: bytes = msgpack.packb((instance, block_size, wire))
+    return packed
+
+
+def _unpack_ops(payload: bytes) -> tuple[str, int | None, list[Op]]:
+    instance, block_size, wire = msgpack.unpackb(payload)
+    ops: list[Op] = []
+    for kind, rank, tier, keys in wire:
+        if kind == _CLEAR:
+            ops.append(Clear(instance, rank))
+        elif kind == _ADD:
+            ops.append(Add(keys, Location(instance, rank, tier)))
+        else:
+            ops.append(Remove(keys, Location(instance, rank, tier)))
+    return instance, block_size, ops
 
 
 def _full(head_tokens: int, result: LookupResult, instance: str) -> int:

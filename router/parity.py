@@ -23,9 +23,7 @@ that the events did not arrive). Where the engine has no events, 1 and 4 still r
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
-import os
 import secrets
 import time
 from collections.abc import Iterable
@@ -36,7 +34,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry, Gauge
 
-from balancer.siblings import SiblingBus
+from balancer.siblings import ProcessLock, SiblingBus
 from kvstore.ingest import StoredTokens
 from kvstore.store import KVStore
 
@@ -325,7 +323,9 @@ class ParityMonitor:
         siblings: SiblingBus | None = None,
     ) -> None:
         self.siblings = siblings
-        self._lock_fd: int | None = None
+        self._lock = (
+            None if siblings is None else ProcessLock(siblings.directory / "parity.lock")
+        )
         self.store = store
         self.fleet = fleet
         self.interval_s = interval_s
@@ -353,9 +353,8 @@ class ParityMonitor:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the lock for a sibling
-            self._lock_fd = None
+        if self._lock is not None:
+            self._lock.release()  # for a sibling
 
     async def _run(self) -> None:
         async with aiohttp.ClientSession() as session:
@@ -370,17 +369,15 @@ class ParityMonitor:
                 await asyncio.sleep(1.0)
 
     def _checks_here(self) -> bool:
-        """Whether this process sends the canaries: always alone, else the lock holder."""
-        if self.siblings is None or self._lock_fd is not None:
+        """Whether this process sends the canaries: always alone, else the lock holder
+        among the processes that follow the engines' events themselves (a check compares
+        the engine's published blocks with the router's)."""
+        if self._lock is None:
             return True
-        fd = os.open(self.siblings.directory / "parity.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        if self.store.events_from_sibling:
+            self._lock.release()
             return False
-        self._lock_fd = fd
-        return True
+        return self._lock.acquire()
 
     def _on_sibling_result(self, origin: str, payload: bytes) -> None:
         result = ParityResult(**orjson.loads(payload))
