@@ -64,3 +64,31 @@ def test_a_malformed_load_line_ends_the_reading_with_what_came_before() -> None:
 def test_flavor_comes_from_the_first_engine_sample_of_any_family() -> None:
     text = "sglang:gen_throughput 3.0\nvllm:num_requests_running 1\n"
     assert parse_metrics(text).flavor == "sglang"
+
+
+def test_new_values_of_series_seen_before_are_read_without_the_parser(
+    parsed: list[str],
+) -> None:
+    line = 'vllm:num_requests_running{engine="0",model_name="m"} '
+    parse_metrics(line + "2\n")
+    parsed.clear()
+    total = parse_metrics(line + "7\n").total
+    assert total is not None and total.running == 7
+    assert parsed == []
+
+
+def test_a_sample_with_a_timestamp_keeps_its_value() -> None:
+    total = parse_metrics('vllm:num_requests_waiting{engine="0"} 4 1712345678000\n').total
+    assert total is not None and total.waiting == 4
+
+
+def test_a_longer_name_that_shares_a_wanted_prefix_never_reaches_the_parser(
+    parsed: list[str],
+) -> None:
+    text = (
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 3\n'
+        'vllm:num_requests_waiting{engine="0"} 1\n'
+    )
+    total = parse_metrics(text).total
+    assert total is not None and total.waiting == 1
+    assert not [t for t in parsed if "by_reason" in t]
