@@ -323,9 +323,7 @@ class ParityMonitor:
         siblings: SiblingBus | None = None,
     ) -> None:
         self.siblings = siblings
-        self._lock = (
-            None if siblings is None else ProcessLock(siblings.directory / "parity.lock")
-        )
+        self._lock = None if siblings is None else ProcessLock(siblings.directory / "parity.lock")
         self.store = store
         self.fleet = fleet
         self.interval_s = interval_s
