@@ -151,6 +151,8 @@ class SiblingBus:
         # Awaitable handlers' work, run one after another in arrival order.
         self._awaiting: deque[Awaitable[None]] = deque()
         self._runner: asyncio.Task[None] | None = None
+        # Called when a sibling is newly connected (it hears what is published from now on).
+        self.on_join: Callable[[], None] | None = None
 
     @property
     def path(self) -> Path:
@@ -307,6 +309,8 @@ class SiblingBus:
             self._peers.discard(path)  # tried again while the directory is changing
             return
         self._links[path] = transport
+        if self.on_join is not None:
+            self.on_join()
 
     def _lost(self, path: Path) -> None:
         self._links.pop(path, None)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
 from kvstore.feed import Feed, FeedInfo, Verdict
-from kvstore.index import Clear, KVIndex, Location, LocationInfo, Match, Op, rank_matches
+from kvstore.index import Add, Clear, KVIndex, Location, LocationInfo, Match, Op, rank_matches
 from kvstore.ingest import Ingestor
 from kvstore.keys import KEY_CACHE_BYTES, KeyCache, key_extra
 from kvstore.listener import Listener, TopicMap
@@ -577,11 +577,20 @@ class KVStore:
             for sub in self._subscribers.values():
                 sub.start()
 
+    def event_snapshot(self) -> list[tuple[str, int | None, list[Op]]]:
+        """Per feed: its instance, block size and the operations that rewrite its entries
+        from what its events said (for a sibling process that starts after them)."""
+        return [
+            (f.instance, f.ingestor.block_size, f.ingestor.snapshot()) for f in self._all_feeds()
+        ]
+
     async def apply_shared(self, instance: str, block_size: int | None, ops: list[Op]) -> None:
-        """Index operations a sibling process made of ``instance``'s events."""
+        """Index operations a sibling process made of ``instance``'s events. Added blocks
+        count as stored here too, as when each process followed the events itself."""
         if block_size is not None and self.instance_block_sizes.get(instance) != block_size:
             self.instance_block_sizes[instance] = block_size
         await self._guard("apply", lambda: self.index.apply(ops))
+        self.metrics.blocks_stored.inc(sum(len(op.keys) for op in ops if isinstance(op, Add)))
 
     async def _apply(self, feed: Feed, batch: EventBatch) -> None:
         st = feed.ingestor.stats

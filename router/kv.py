@@ -151,11 +151,20 @@ class EmbeddedPrefixes:
         self.store.on_ops = lambda instance, size, ops: bus.publish(
             OPS, _pack_ops(instance, size, ops)
         )
+        bus.on_join = lambda: self._send_snapshot(bus)
         if not self._events_lock.acquire():
             self.store.events_from_sibling = True
             self._take_over = asyncio.get_running_loop().create_task(
                 self._await_events_lock(self._events_lock), name="kv-events:take-over"
             )
+
+    def _send_snapshot(self, bus: SiblingBus) -> None:
+        """A sibling joined: what the events said so far, so that one started after them
+        (a restarted process) knows what the engines hold."""
+        if self.store.events_from_sibling:
+            return
+        for instance, block_size, ops in self.store.event_snapshot():
+            bus.publish(OPS, _pack_ops(instance, block_size, ops))
 
     async def _await_events_lock(self, lock: ProcessLock) -> None:
         while not lock.acquire():

@@ -124,13 +124,14 @@ def test_a_router_started_after_a_chat_routes_its_repeat_to_the_engine_that_hold
     assert first.status_code == 200, first.text
     prompt_blocks = first.json()["usage"]["prompt_tokens"] // BLOCK_SIZE
     time.sleep(1.0)  # the engine publishes its events after the step
-    # Two processes, each catching up on its own; no parity canaries, whose blocks would
-    # count too. Waiting for one process's blocks let the repeat reach the other before
-    # it had caught up (a clean-clone CI run, 2026-12-02).
+    # Two processes: the one that follows the events catches up and shares what it learns
+    # (each counts the blocks); no parity canaries, whose blocks would count too. Waiting
+    # for one process's blocks let the repeat reach the other before it knew them (a
+    # clean-clone CI run, 2026-12-02).
     processes = 2
     argv = ("--processes", str(processes), "--no-kv-parity")
     with zero_config_router([e.url for e in pair], *argv) as router:
-        # Caught up from the engine's replay buffer, not from live events.
+        # Caught up from the engine's replay buffer, not from live events, in both.
         wait_stored(router, 0, processes * prompt_blocks)
         before = counters(router)
         again = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from balancer.siblings import SiblingBus
 from kvstore.store import KVStore
 from mockengine.engine.events import BlockRemoved, KVEventBatch
-from router.kv import TAKE_OVER_S
+from router.kv import TAKE_OVER_S, EmbeddedPrefixes
 from tests.kvstore.test_kv_ingest_live import TOKENS, eventually, joined, matched, publisher, stored
 from tests.router.test_kv_probe import processes
 
@@ -61,6 +62,28 @@ async def test_blocks_an_engine_removed_leave_the_other_processes_index(tmp_path
             pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
             await eventually(lambda: _matches(stores[1], 16))
     finally:
+        pub.close()
+
+
+async def test_a_process_that_starts_after_the_events_learns_what_they_said(
+    tmp_path: Path,
+) -> None:
+    pub = publisher()
+    stores = subscribed_pair(pub.endpoint)
+    first_bus = SiblingBus(tmp_path, rescan_s=0.05)
+    first = EmbeddedPrefixes(stores[0], siblings=first_bus)
+    await first_bus.start()
+    await first.start()
+    try:
+        await joined(stores[0], pub)
+        pub.publish(stored(TOKENS, [11, 12, 13]))
+        await eventually(lambda: _matches(stores[0], 48))
+        async with processes(tmp_path, stores[1:]):
+            await eventually(lambda: _matches(stores[1], 48))
+            assert stores[1].events_from_sibling
+    finally:
+        await first.stop()
+        await first_bus.stop()
         pub.close()
 
 
