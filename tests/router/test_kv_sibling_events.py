@@ -4,6 +4,8 @@ operations they become; the others apply those, and take the events over when it
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from balancer.siblings import SiblingBus
 from kvstore.store import KVStore
 from mockengine.engine.events import BlockRemoved, KVEventBatch
+from mockengine.kvevents import KVEventPublisher
 from router.kv import TAKE_OVER_S, EmbeddedPrefixes
 from tests.kvstore.test_kv_ingest_live import TOKENS, eventually, joined, matched, publisher, stored
 from tests.router.test_kv_probe import processes
@@ -20,49 +23,54 @@ pytestmark = pytest.mark.timeout(60)
 E = "http://127.0.0.1:8001"
 
 
-def subscribed_pair(endpoint: str) -> list[KVStore]:
+def subscribed_pair(endpoint: str | None) -> list[KVStore]:
+    assert endpoint is not None
     stores = [KVStore(block_size=16) for _ in range(2)]
     for store in stores:
         store.subscribe(E, endpoint)
     return stores
 
 
-async def test_only_one_process_follows_the_engines_events(tmp_path: Path) -> None:
+@asynccontextmanager
+async def two_processes(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[KVEventPublisher, list[KVStore], list[EmbeddedPrefixes]]]:
+    """An engine's publisher and two processes of a router subscribed to it; the first
+    to start follows the events."""
     pub = publisher()
     stores = subscribed_pair(pub.endpoint)
     try:
-        async with processes(tmp_path, stores):
-            assert [s.events_from_sibling for s in stores] == [False, True]
+        async with processes(tmp_path, stores) as sources:
+            yield pub, stores, sources
     finally:
         pub.close()
+
+
+async def store_three_blocks(pub: KVEventPublisher, heard_by: KVStore, seen_by: KVStore) -> None:
+    """Publish three stored blocks once ``heard_by`` receives the events; wait until
+    ``seen_by`` indexed them."""
+    await joined(heard_by, pub)
+    pub.publish(stored(TOKENS, [11, 12, 13]))
+    await eventually(lambda: _matches(seen_by, 48))
+
+
+async def test_only_one_process_follows_the_engines_events(tmp_path: Path) -> None:
+    async with two_processes(tmp_path) as (_, stores, _):
+        assert [s.events_from_sibling for s in stores] == [False, True]
 
 
 async def test_blocks_an_engine_stored_reach_the_process_that_does_not_follow_it(
     tmp_path: Path,
 ) -> None:
-    pub = publisher()
-    stores = subscribed_pair(pub.endpoint)
-    try:
-        async with processes(tmp_path, stores):
-            await joined(stores[0], pub)
-            pub.publish(stored(TOKENS, [11, 12, 13]))
-            await eventually(lambda: _matches(stores[1], 48))
-    finally:
-        pub.close()
+    async with two_processes(tmp_path) as (pub, stores, _):
+        await store_three_blocks(pub, stores[0], stores[1])
 
 
 async def test_blocks_an_engine_removed_leave_the_other_processes_index(tmp_path: Path) -> None:
-    pub = publisher()
-    stores = subscribed_pair(pub.endpoint)
-    try:
-        async with processes(tmp_path, stores):
-            await joined(stores[0], pub)
-            pub.publish(stored(TOKENS, [11, 12, 13]))
-            await eventually(lambda: _matches(stores[1], 48))
-            pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
-            await eventually(lambda: _matches(stores[1], 16))
-    finally:
-        pub.close()
+    async with two_processes(tmp_path) as (pub, stores, _):
+        await store_three_blocks(pub, stores[0], stores[1])
+        pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
+        await eventually(lambda: _matches(stores[1], 16))
 
 
 async def test_a_process_that_starts_after_the_events_learns_what_they_said(
@@ -75,9 +83,7 @@ async def test_a_process_that_starts_after_the_events_learns_what_they_said(
     await first_bus.start()
     await first.start()
     try:
-        await joined(stores[0], pub)
-        pub.publish(stored(TOKENS, [11, 12, 13]))
-        await eventually(lambda: _matches(stores[0], 48))
+        await store_three_blocks(pub, stores[0], stores[0])
         async with processes(tmp_path, stores[1:]):
             await eventually(lambda: _matches(stores[1], 48))
             assert stores[1].events_from_sibling
@@ -90,17 +96,10 @@ async def test_a_process_that_starts_after_the_events_learns_what_they_said(
 async def test_when_the_following_process_ends_another_takes_the_events_over(
     tmp_path: Path,
 ) -> None:
-    pub = publisher()
-    stores = subscribed_pair(pub.endpoint)
-    try:
-        async with processes(tmp_path, stores) as sources:
-            await sources[0].stop()  # its process ends: the lock goes with it
-            await eventually(lambda: _following_itself(stores[1]), timeout=3 * TAKE_OVER_S)
-            await joined(stores[1], pub)
-            pub.publish(stored(TOKENS, [11, 12, 13]))
-            await eventually(lambda: _matches(stores[1], 48))
-    finally:
-        pub.close()
+    async with two_processes(tmp_path) as (pub, stores, sources):
+        await sources[0].stop()  # its process ends: the lock goes with it
+        await eventually(lambda: _following_itself(stores[1]), timeout=3 * TAKE_OVER_S)
+        await store_three_blocks(pub, stores[1], stores[1])
 
 
 async def _matches(store: KVStore, tokens: int) -> bool:
