@@ -71,10 +71,6 @@ class ProcessLock:
         self.path = path
         self._fd: int | None = None
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def acquire(self) -> bool:
         """Take the lock if no other process holds it; True while this one does."""
         if self._fd is not None:

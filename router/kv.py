@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 OCCUPANCY_TTL_S = 0.1
 PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
 TOKENS = b"tokens"  # sibling-bus topic: a chat message another process tokenized
-OPS = b"kvops"  # sibling-bus topic: index operations of the engines' events, from the follower
+OPS = b"kvops"  # sibling-bus topic: index operations the engines' events became
 # How often a process whose sibling follows the engines' events tries to take that over.
 TAKE_OVER_S = 1.0
 _ADD, _REMOVE, _CLEAR = 0, 1, 2
