@@ -52,6 +52,7 @@ async def store_three_blocks(pub: KVEventPublisher, heard_by: KVStore, seen_by: 
     await joined(heard_by, pub)
     pub.publish(stored(TOKENS, [11, 12, 13]))
     await eventually(lambda: _matches(seen_by, 48))
+    assert await matched(seen_by) == 48
 
 
 async def test_only_one_process_follows_the_engines_events(tmp_path: Path) -> None:
@@ -71,6 +72,7 @@ async def test_blocks_an_engine_removed_leave_the_other_processes_index(tmp_path
         await store_three_blocks(pub, stores[0], stores[1])
         pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
         await eventually(lambda: _matches(stores[1], 16))
+        assert await matched(stores[1]) == 16
 
 
 async def test_a_process_that_starts_after_the_events_learns_what_they_said(
@@ -100,6 +102,7 @@ async def test_when_the_following_process_ends_another_takes_the_events_over(
         await sources[0].stop()  # its process ends: the lock goes with it
         await eventually(lambda: _following_itself(stores[1]), timeout=3 * TAKE_OVER_S)
         await store_three_blocks(pub, stores[1], stores[1])
+        assert not stores[1].events_from_sibling
 
 
 async def _matches(store: KVStore, tokens: int) -> bool:
