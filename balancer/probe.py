@@ -17,9 +17,11 @@ first request sent to it asks for a scrape at once. Every interval is jittered b
 ±10% so the fleet's probes do not bunch, and at most ``_MAX_CONNECTIONS`` requests
 of the prober are in flight at once.
 
-The processes of one router scrape once for all: a scrape another process shares
-(``take``, from ``balancer.siblings``) stands for this process's own while it is fresh,
-and each scrape this process makes goes to ``on_scrape``.
+The processes of one router probe and scrape once for all: a probe or scrape another
+process shares (``take_probe``, ``take``, from ``balancer.siblings``) stands for this
+process's own while it is fresh, and each one this process makes goes to ``on_probe`` or
+``on_scrape``. A probe this process asks for itself (a connect error on its request
+path) it always makes.
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ _MAX_CONNECTIONS = 64
 # Idle keep-alive connections to workers stay open this long, longer than a stretched
 # interval, so a probe of a large fleet reuses its connection instead of a new one.
 _KEEPALIVE_S = 75.0
-# A scrape taken from another process stands for this one's own for this many of its
-# intervals: the other's intervals are jittered too, and its message takes a moment.
+# A probe or scrape taken from another process stands for this one's own for this many of
+# its intervals: the other's intervals are jittered too, and its message takes a moment.
 _TAKEN_FOR = 1.5
 
 
@@ -77,7 +79,9 @@ class Prober:
         self._rng = random.Random()
         self._slots = asyncio.Semaphore(_MAX_CONNECTIONS)
         self._taken: dict[str, float] = {}  # when another process's scrape of a worker came
+        self._probe_taken: dict[str, float] = {}  # when another process's probe of it came
         self.on_scrape: Callable[[Worker, list[Scrape]], None] | None = None
+        self.on_probe: Callable[[Worker, bool, str], None] | None = None
 
     async def start(self) -> None:
         self._pool = ConnectionPool(
@@ -127,6 +131,14 @@ class Prober:
         self._looked.pop(worker_id, None)
         self._probe_asked.discard(worker_id)
         self._taken.pop(worker_id, None)
+        self._probe_taken.pop(worker_id, None)
+
+    def take_probe(self, worker: Worker, ok: bool, error: str) -> None:
+        """Another process's probe of ``worker``: counted as if made here, and this process
+        skips its own probes while such ones keep coming."""
+        if self._registered(worker):
+            self._record_probe(worker, ok, error)
+            self._probe_taken[worker.id] = time.monotonic()
 
     def take(self, worker: Worker, samples: list[Scrape]) -> None:
         """Another process's scrape of ``worker``: applied as if made here, and this
@@ -156,6 +168,7 @@ class Prober:
         next_probe = next_scrape = next_models = 0.0
         last_probe = last_scrape = float("-inf")
         interval = s.probe_interval_s
+        asked = False  # a probe this process asked for (a connect error) is made here
         event = self._wake[worker.id]
         looked = self._looked[worker.id]
         while True:
@@ -166,19 +179,29 @@ class Prober:
                     self._probe_asked.discard(worker.id)
                     interval = s.probe_interval_s
                     if now - last_probe > min(_MIN_WAKE_GAP_S, s.probe_interval_s):
-                        next_probe = now
+                        next_probe, asked = now, True
                 if busy(worker):
                     next_scrape = min(next_scrape, last_scrape + s.scrape_interval_s)
             if now >= next_probe:
-                last_probe = now
-                passed = await self._probe(worker)
+                taken = self._probe_taken.get(worker.id, float("-inf"))
+                shared = not asked and now - taken < interval * _TAKEN_FOR
+                if shared:
+                    passed = worker.probe_failures == 0  # what the taken probe saw
+                else:
+                    last_probe = now
+                    passed = await self._probe(worker)
+                asked = False
                 stable = passed and worker.healthy
                 interval = (
                     min(interval * 2, stretched(s, s.probe_interval_s, len(self._tasks)))
                     if stable
                     else s.probe_interval_s
                 )
-                next_probe = time.monotonic() + self._jittered(interval)
+                next_probe = (
+                    taken + self._jittered(interval) * _TAKEN_FOR
+                    if shared
+                    else time.monotonic() + self._jittered(interval)
+                )
             if worker.healthy and (not worker.models or now >= next_models):
                 if not worker.spec.models:
                     await self._refresh_models(worker)
@@ -233,20 +256,26 @@ class Prober:
             ok, error = 200 <= status < 300, f"probe status {status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             ok, error = False, f"probe {type(exc).__name__}"
-        if not self._registered(worker):
-            return ok
+        if self._registered(worker):
+            self._record_probe(worker, ok, error)
+            if self.on_probe is not None:
+                self.on_probe(worker, ok, error)
+        return ok
+
+    def _record_probe(self, worker: Worker, ok: bool, error: str) -> None:
+        """Count one probe's outcome and move the worker in or out of the routable set."""
+        s = self.settings
         if ok:
             worker.probe_failures = 0
             worker.probe_successes += 1
             if not worker.healthy and worker.probe_successes >= s.healthy_threshold:
                 self.fleet.set_healthy(worker, True)
-            return ok
+            return
         worker.probe_successes = 0
         worker.probe_failures += 1
         worker.last_error = error
         if worker.healthy and worker.probe_failures >= s.unhealthy_threshold:
             self.fleet.set_healthy(worker, False, reason=error)
-        return ok
 
     async def _refresh_models(self, worker: Worker) -> None:
         try:

@@ -5,8 +5,8 @@ supervisor made, and connects to every other socket it finds there. It looks aga
 a sibling connects to it (a process the supervisor starts or restarts connects to every
 other), and every ``rescan_s`` when the directory changed, in case.
 What travels on it: each process's in-flight counts every ``sibling_sync_interval_s``
-(``SiblingShare``), admin registry changes at once, engine scrapes (one process scrapes
-for all, the lowest-named one while it lives), and the router's placements
+(``SiblingShare``), admin registry changes at once, engine probes and scrapes (one process
+probes and scrapes for all, the lowest-named one while it lives), and the router's placements
 (``router.kv``). A message sent before a sibling connected is not seen by it: counts are
 sent again on every sync, and the admin registry is also kept in a file a new process
 loads. Messages go out in batches, one frame every ``BATCH_S`` at most: a 4-byte length,
@@ -51,6 +51,7 @@ COUNTS = b"counts"
 WORKER = b"worker"  # one worker's counts, sent as a request begins, starts decoding or ends
 REGISTRY = b"registry"
 SCRAPE = b"scrape"  # one worker's parsed /metrics, from the process that scraped it
+PROBE = b"probe"  # one worker's health probe outcome, from the process that probed it
 # How long a message may wait for others to share its frame. Each frame is one wake-up of
 # every sibling's loop: sent one by one (about five a request: counts at begin, first
 # token and end, the placement, new chat messages), they cost a third as much CPU again
@@ -357,8 +358,10 @@ class SiblingShare:
         self.bus.on(WORKER, self._on_worker)
         self.bus.on(REGISTRY, self._on_change)
         self.bus.on(SCRAPE, self._on_scrape)
+        self.bus.on(PROBE, self._on_probe)
         if self.fleet.prober is not None:
             self.fleet.prober.on_scrape = self.publish_scrape
+            self.fleet.prober.on_probe = self.publish_probe
         for spec in self._stored_registry():
             self._apply({"op": "add", "spec": spec})
         self._task = asyncio.get_running_loop().create_task(self._sync_loop(), name="siblings:sync")
@@ -366,6 +369,7 @@ class SiblingShare:
     async def stop(self) -> None:
         if self.fleet.prober is not None:
             self.fleet.prober.on_scrape = None
+            self.fleet.prober.on_probe = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -473,6 +477,24 @@ class SiblingShare:
         worker = self.fleet.get(worker_id)
         if worker is not None:
             prober.take(worker, [Scrape.from_json(item) for item in samples])
+
+    # Health probes
+
+    def publish_probe(self, worker: Worker, ok: bool, error: str) -> None:
+        """Share a probe this process made. Each process probing every worker cost each
+        of them a GET per worker and interval: probes were 6-9 of an idle two-process
+        router's 29 ms of CPU a second (2026-12-03, ``bench.router_cpu --idle``)."""
+        self.bus.publish(PROBE, orjson.dumps([worker.id, ok, error]), key=worker.id)
+
+    def _on_probe(self, origin: str, payload: bytes) -> None:
+        """Take in a probe from a lower-named sibling, as ``_on_scrape`` a scrape."""
+        prober = self.fleet.prober
+        if origin > self.bus.instance or prober is None:
+            return
+        worker_id, ok, error = orjson.loads(payload)
+        worker = self.fleet.get(worker_id)
+        if worker is not None:
+            prober.take_probe(worker, bool(ok), str(error))
 
     # Registry broadcast
 

@@ -24,12 +24,19 @@ pytestmark = pytest.mark.timeout(30)
 
 @asynccontextmanager
 async def sibling(
-    directory: Path, *specs: str, name: str | None = None, scrape_interval_s: float = 1.0
+    directory: Path,
+    *specs: str,
+    name: str | None = None,
+    scrape_interval_s: float = 1.0,
+    probe_interval_s: float = 2.0,
 ) -> AsyncIterator[Fleet]:
     """A started fleet on the bus in ``directory``, as one process of a router runs it
     (``name``: its bus instance, else a random one)."""
     settings = BalancerSettings(
-        sibling_sync_interval_s=0.02, lease_s=0.5, scrape_interval_s=scrape_interval_s
+        sibling_sync_interval_s=0.02,
+        lease_s=0.5,
+        scrape_interval_s=scrape_interval_s,
+        probe_interval_s=probe_interval_s,
     )
     fleet = Fleet(settings, [WorkerSpec.parse(s) for s in specs])
     bus = SiblingBus(directory, rescan_s=0.05)
@@ -178,6 +185,86 @@ async def test_a_process_scrapes_for_itself_once_the_scraping_sibling_is_gone(
             await asyncio.sleep(0.5)
             assert made[0] <= 1
         await eventually(lambda: made[0] >= 5)
+
+
+def count_own_probes(fleet: Fleet) -> list[int]:
+    """A list whose one item counts the health probes this process makes from now on."""
+    made = [0]
+    prober = fleet.prober
+    assert prober is not None and prober.on_probe is not None
+    share = prober.on_probe
+
+    def counted(worker: Worker, ok: bool, error: str) -> None:
+        made[0] += 1
+        share(worker, ok, error)
+
+    prober.on_probe = counted
+    return made
+
+
+async def test_one_process_probes_for_all(stub_engine: StubFactory, tmp_path: Path) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with (
+        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
+        sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high,
+    ):
+        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
+        made = {"low": count_own_probes(low), "high": count_own_probes(high)}
+        await asyncio.sleep(1.0)
+        assert made["low"][0] >= 10
+        assert made["high"][0] <= 1, "the higher-named process probes only without the lower"
+
+
+async def test_a_failed_probe_of_the_probing_sibling_takes_the_worker_out_of_the_others(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with (
+        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
+        sibling(tmp_path, spec, name="p2", probe_interval_s=5.0) as high,
+    ):
+        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
+        stub.health_status = 503
+        # The higher-named process's own next probe is seconds away: only the shared one
+        # can take the worker out within the wait.
+        await eventually(lambda: not high.workers()[0].healthy, timeout=2.0)
+        assert high.workers()[0].last_error == "probe status 503"
+
+
+async def test_a_process_woken_by_its_own_connect_error_probes_for_itself(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with (
+        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
+        sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high,
+    ):
+        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
+        made = count_own_probes(high)
+        await asyncio.sleep(0.3)
+        before = made[0]
+        assert high.prober is not None
+        high.prober.wake(high.workers()[0])
+        await eventually(lambda: made[0] > before)
+        assert made[0] > before
+
+
+async def test_a_process_probes_for_itself_once_the_probing_sibling_is_gone(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    async with sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high:
+        async with sibling(tmp_path, spec, name="p1", probe_interval_s=0.05):
+            await eventually(lambda: high.shared is not None and high.shared.peers == 1)
+            made = count_own_probes(high)
+            await asyncio.sleep(0.5)
+            assert made[0] <= 1
+        await eventually(lambda: made[0] >= 5)
+        assert made[0] >= 5
 
 
 async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
