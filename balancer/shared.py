@@ -152,7 +152,7 @@ class RedisShare:
             for raw in (await self.redis.hgetall(self.registry_key)).values():
                 self._apply({"op": "add", "spec": orjson.loads(raw), "origin": ""})
         except BaseException:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             raise
         return pubsub
 
