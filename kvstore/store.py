@@ -72,6 +72,19 @@ class LookupResult:
             return self.keys
         return self.sized_keys.get(size, [])
 
+    def unheld_keys(self, instance: str, dp_rank: int) -> list[int]:
+        """The keys of ``instance`` past the prefix this lookup found in its rank's GPU
+        memory: what a request sent there adds to what the index says it holds."""
+        held = max(
+            (
+                m.matched_tokens
+                for m in self.matches
+                if m.instance == instance and m.dp_rank == dp_rank and m.tier == "gpu"
+            ),
+            default=0,
+        )
+        return self.keys_for(instance)[held // self.block_size_of(instance) :]
+
 
 class KVStore:
     """Tokenization, block keys, one index backend and the event feeds, behind one API.
