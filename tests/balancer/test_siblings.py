@@ -14,9 +14,7 @@ import msgpack
 import pytest
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
-from balancer.scrape import Scrape
 from balancer.siblings import Handler, SiblingBus, SiblingShare, _Inbound
-from balancer.worker import Worker
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -53,9 +51,19 @@ async def sibling(
 
 
 @asynccontextmanager
-async def linked(directory: Path, *specs: str) -> AsyncIterator[tuple[Fleet, Fleet]]:
-    """Two processes' fleets on one bus, once each hears the other."""
-    async with sibling(directory, *specs) as a, sibling(directory, *specs) as b:
+async def linked(
+    directory: Path,
+    *specs: str,
+    low: dict[str, float] | None = None,
+    high: dict[str, float] | None = None,
+) -> AsyncIterator[tuple[Fleet, Fleet]]:
+    """Two processes' fleets on one bus, once each hears the other: ``p1``, the
+    lower-named (it probes and scrapes for both), then ``p2``; ``low`` and ``high`` set
+    their intervals."""
+    async with (
+        sibling(directory, *specs, name="p1", **(low or {})) as a,
+        sibling(directory, *specs, name="p2", **(high or {})) as b,
+    ):
         await eventually(lambda: all(f.shared is not None and f.shared.peers == 1 for f in (a, b)))
         yield a, b
 
@@ -140,80 +148,74 @@ async def test_a_removed_worker_is_gone_for_a_process_started_later(
 METRICS = "vllm:num_requests_running 3\nvllm:num_requests_waiting 2\n"
 
 
-def count_own_scrapes(fleet: Fleet) -> list[int]:
-    """A list whose one item counts the scrapes this process makes from now on."""
+def count_own(fleet: Fleet, kind: str) -> list[int]:
+    """A list whose one item counts the ``kind`` (probe or scrape) this process makes from
+    now on."""
     made = [0]
     prober = fleet.prober
-    assert prober is not None and prober.on_scrape is not None
-    share = prober.on_scrape
+    assert prober is not None
+    hook = f"on_{kind}"
+    share = getattr(prober, hook)
+    assert share is not None
 
-    def counted(worker: Worker, samples: list[Scrape]) -> None:
+    def counted(*outcome: Any) -> None:
         made[0] += 1
-        share(worker, samples)
+        share(*outcome)
 
-    prober.on_scrape = counted
+    setattr(prober, hook, counted)
     return made
 
 
-async def test_one_process_scrapes_for_all_and_the_others_take_its_samples(
-    stub_engine: StubFactory, tmp_path: Path
+@pytest.mark.parametrize("kind", ["probe", "scrape"])
+async def test_one_process_probes_and_scrapes_for_all(
+    kind: str, stub_engine: StubFactory, tmp_path: Path
 ) -> None:
     stub = await stub_engine(metrics=METRICS)
     spec = f"{stub.url};models=m"
-    async with (
-        sibling(tmp_path, spec, name="p1", scrape_interval_s=0.05) as low,
-        sibling(tmp_path, spec, name="p2", scrape_interval_s=0.05) as high,
-    ):
-        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
-        made = {"low": count_own_scrapes(low), "high": count_own_scrapes(high)}
+    fast = {f"{kind}_interval_s": 0.05}
+    async with linked(tmp_path, spec, low=fast, high=fast) as (low, high):
+        made = {"low": count_own(low, kind), "high": count_own(high, kind)}
         await asyncio.sleep(1.0)
         assert made["low"][0] >= 10
-        assert made["high"][0] <= 1, "the higher-named process scrapes only without the lower"
-        sample = high.workers()[0].engine
-        assert sample is not None and (sample.running, sample.waiting) == (3, 2)
+        assert made["high"][0] <= 1, f"the higher-named process {kind}s only without the lower"
 
 
-async def test_a_process_scrapes_for_itself_once_the_scraping_sibling_is_gone(
-    stub_engine: StubFactory, tmp_path: Path
+@pytest.mark.parametrize("kind", ["probe", "scrape"])
+async def test_a_process_probes_and_scrapes_for_itself_once_the_sibling_that_did_is_gone(
+    kind: str, stub_engine: StubFactory, tmp_path: Path
 ) -> None:
     stub = await stub_engine(metrics=METRICS)
     spec = f"{stub.url};models=m"
-    async with sibling(tmp_path, spec, name="p2", scrape_interval_s=0.05) as high:
-        async with sibling(tmp_path, spec, name="p1", scrape_interval_s=0.05):
+    fast = {f"{kind}_interval_s": 0.05}
+    async with sibling(tmp_path, spec, name="p2", **fast) as high:
+        async with sibling(tmp_path, spec, name="p1", **fast):
             await eventually(lambda: high.shared is not None and high.shared.peers == 1)
-            made = count_own_scrapes(high)
+            made = count_own(high, kind)
             await asyncio.sleep(0.5)
             assert made[0] <= 1
         await eventually(lambda: made[0] >= 5)
+        assert made[0] >= 5
 
 
-def count_own_probes(fleet: Fleet) -> list[int]:
-    """A list whose one item counts the health probes this process makes from now on."""
-    made = [0]
-    prober = fleet.prober
-    assert prober is not None and prober.on_probe is not None
-    share = prober.on_probe
-
-    def counted(worker: Worker, ok: bool, error: str) -> None:
-        made[0] += 1
-        share(worker, ok, error)
-
-    prober.on_probe = counted
-    return made
-
-
-async def test_one_process_probes_for_all(stub_engine: StubFactory, tmp_path: Path) -> None:
-    stub = await stub_engine()
+async def test_the_others_apply_the_scraping_siblings_samples(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine(metrics=METRICS)
     spec = f"{stub.url};models=m"
-    async with (
-        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
-        sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high,
-    ):
-        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
-        made = {"low": count_own_probes(low), "high": count_own_probes(high)}
-        await asyncio.sleep(1.0)
-        assert made["low"][0] >= 10
-        assert made["high"][0] <= 1, "the higher-named process probes only without the lower"
+    async with linked(
+        tmp_path, spec, low={"scrape_interval_s": 0.05}, high={"scrape_interval_s": 5.0}
+    ) as (low, high):
+        stub.metrics = "vllm:num_requests_running 7\nvllm:num_requests_waiting 4\n"
+        # The higher-named process's own next scrape is seconds away: only the shared one
+        # can bring the new load within the wait.
+        await eventually(
+            lambda: (
+                (s := high.workers()[0].engine) is not None and (s.running, s.waiting) == (7, 4)
+            ),
+            timeout=2.0,
+        )
+        sample = high.workers()[0].engine
+        assert sample is not None and (sample.running, sample.waiting) == (7, 4)
 
 
 async def test_a_failed_probe_of_the_probing_sibling_takes_the_worker_out_of_the_others(
@@ -221,11 +223,9 @@ async def test_a_failed_probe_of_the_probing_sibling_takes_the_worker_out_of_the
 ) -> None:
     stub = await stub_engine()
     spec = f"{stub.url};models=m"
-    async with (
-        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
-        sibling(tmp_path, spec, name="p2", probe_interval_s=5.0) as high,
-    ):
-        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
+    async with linked(
+        tmp_path, spec, low={"probe_interval_s": 0.05}, high={"probe_interval_s": 5.0}
+    ) as (low, high):
         stub.health_status = 503
         # The higher-named process's own next probe is seconds away: only the shared one
         # can take the worker out within the wait.
@@ -238,33 +238,16 @@ async def test_a_process_woken_by_its_own_connect_error_probes_for_itself(
 ) -> None:
     stub = await stub_engine()
     spec = f"{stub.url};models=m"
-    async with (
-        sibling(tmp_path, spec, name="p1", probe_interval_s=0.05) as low,
-        sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high,
-    ):
-        await eventually(lambda: low.shared is not None and low.shared.peers == 1)
-        made = count_own_probes(high)
+    async with linked(
+        tmp_path, spec, low={"probe_interval_s": 0.05}, high={"probe_interval_s": 0.05}
+    ) as (low, high):
+        made = count_own(high, "probe")
         await asyncio.sleep(0.3)
         before = made[0]
         assert high.prober is not None
         high.prober.wake(high.workers()[0])
         await eventually(lambda: made[0] > before)
         assert made[0] > before
-
-
-async def test_a_process_probes_for_itself_once_the_probing_sibling_is_gone(
-    stub_engine: StubFactory, tmp_path: Path
-) -> None:
-    stub = await stub_engine()
-    spec = f"{stub.url};models=m"
-    async with sibling(tmp_path, spec, name="p2", probe_interval_s=0.05) as high:
-        async with sibling(tmp_path, spec, name="p1", probe_interval_s=0.05):
-            await eventually(lambda: high.shared is not None and high.shared.peers == 1)
-            made = count_own_probes(high)
-            await asyncio.sleep(0.5)
-            assert made[0] <= 1
-        await eventually(lambda: made[0] >= 5)
-        assert made[0] >= 5
 
 
 async def test_a_bus_message_reaches_each_sibling_once(tmp_path: Path) -> None:
