@@ -34,6 +34,7 @@ from kvstore.settings import KVStoreSettings
 from kvstore.store import KVStore
 from router.app import RouterApp
 from router.connections import ClientConnection, ConnectionLimits
+from router.mainloop import install, request_exit
 from router.metrics import METRICS_DIR_ENV, write_metrics_behind
 from router.scheduler.policies import build_scheduler
 from router.settings import RouterSettings
@@ -203,6 +204,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
         super().__init__(config)
         self.app = app
+        install(self)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         drain(self, self.app, sig, frame)
@@ -224,7 +226,7 @@ def drain(
     drain_s = app.settings.shutdown_drain_s
     if app.draining and not repeat_ends_drain:
         return
-    exit_now = functools.partial(uvicorn.Server.handle_exit, server)
+    exit_now = functools.partial(request_exit, server)
     if app.draining or drain_s <= 0:
         app.draining = True
         exit_now(sig, frame)
@@ -329,7 +331,8 @@ def process_app() -> RouterApp:
 
 
 def _drain_on_signals(app: RouterApp) -> None:
-    """Make the signal handlers of this process's server drain ``app`` first.
+    """Make the signal handlers of this process's server drain ``app`` first, and give
+    the server the router's main loop (``router.mainloop``).
 
     Under ``--processes`` uvicorn runs a plain ``uvicorn.Server`` in each process, which
     knows nothing of draining (``/ready`` stayed 200 and a request cancelled at the
@@ -339,6 +342,8 @@ def _drain_on_signals(app: RouterApp) -> None:
         server = getattr(signal.getsignal(sig), "__self__", None)
         if isinstance(server, uvicorn.Server):
             signal.signal(sig, functools.partial(drain, server, app, repeat_ends_drain=False))
+    if isinstance(server, uvicorn.Server):
+        install(server)  # it has not started its main loop yet
 
 
 def _logging(settings: RouterSettings) -> None:
