@@ -40,6 +40,7 @@ import orjson
 from balancer.scrape import Scrape
 from balancer.shared import apply_change, fold_peers, fold_worker, own_counts
 from balancer.worker import Worker, WorkerSpec
+from switchyard.packing import packb
 
 if TYPE_CHECKING:
     from balancer.fleet import Fleet
@@ -57,7 +58,15 @@ PROBE = b"probe"  # one worker's health probe outcome, from the process that pro
 # token and end, the placement, new chat messages), they cost a third as much CPU again
 # as the requests themselves in a py-spy profile of two processes (2026-12-02,
 # bench.router_cpu multiturn). 2 ms is short next to any prefill the counts announce.
+# A message after a quiet ``BATCH_S`` goes out at the end of its loop turn instead, with
+# what that turn publishes: the wait ahead of it bought no company, and its timer was one
+# more wake-up of the publishing loop.
 BATCH_S = 0.002
+# How long a lazy message (one no sibling routes on within milliseconds: a placement,
+# tokens, KV operations, a scrape, counts that fell) may wait for an urgent one to carry
+# it. A two-process router sent about six frames a request on the multi-turn replay
+# (strace, 2026-12-04), each a wake-up of the other process.
+LAZY_S = 0.02
 # Bytes a slow sibling may have waiting before batches to it are dropped (as PUB/SUB
 # drops at its high-water mark): a stalled process must not grow the others' memory.
 MAX_BUFFERED_BYTES = 16 << 20
@@ -126,16 +135,23 @@ class SiblingBus:
     """One process's end of the bus: ``publish`` to all siblings, ``on`` to hear them."""
 
     def __init__(
-        self, directory: str | Path, rescan_s: float = 1.0, batch_s: float = BATCH_S
+        self,
+        directory: str | Path,
+        rescan_s: float = 1.0,
+        batch_s: float = BATCH_S,
+        lazy_s: float = LAZY_S,
     ) -> None:
         self.directory = Path(directory)
         self.instance = uuid.uuid4().hex[:12]
         self.rescan_s = rescan_s
         self.batch_s = batch_s
+        self.lazy_s = lazy_s
         # Waiting messages as (topic, payload, ...), and where a keyed one sits.
         self._outbox: list[bytes] = []
         self._keyed: dict[tuple[bytes, str], int] = {}
-        self._flush_at: asyncio.TimerHandle | None = None
+        self._flush_at: asyncio.Handle | None = None
+        self._flush_due = float("inf")  # time.monotonic() the waiting flush runs at
+        self._flushed_at = float("-inf")  # time.monotonic() of the last frame sent
         self._handlers: dict[bytes, Handler] = {}
         # Siblings' sockets found (connected or connecting), and the connections made.
         self._peers: set[Path] = set()
@@ -196,11 +212,16 @@ class SiblingBus:
             self._server = None
             self.path.unlink(missing_ok=True)
 
-    def publish(self, topic: bytes, payload: bytes, key: str | None = None) -> None:
-        """Send to every connected sibling within ``batch_s``; never blocks (a sibling with
-        ``MAX_BUFFERED_BYTES`` unread misses batches). A message with a ``key`` replaces a
-        waiting one of the same topic and key: only the latest state of that thing goes
-        out, after the messages queued before it."""
+    def publish(
+        self, topic: bytes, payload: bytes, key: str | None = None, *, lazy: bool = False
+    ) -> None:
+        """Send to every connected sibling within ``batch_s`` (at the end of this loop turn
+        when nothing went out for ``batch_s``), or within ``lazy_s`` if ``lazy``, with the
+        next frame whichever comes first; never blocks (a sibling with
+        ``MAX_BUFFERED_BYTES`` unread misses batches). Messages arrive in the order they
+        were published. A message with a ``key`` replaces a waiting one of the same topic
+        and key: only the latest state of that thing goes out, after the messages queued
+        before it."""
         if self._server is None:
             return
         if key is not None:
@@ -209,20 +230,31 @@ class SiblingBus:
                 self._outbox[at] = self._outbox[at + 1] = b""  # no topic: skipped
             self._keyed[(topic, key)] = len(self._outbox)
         self._outbox += (topic, payload)
-        if self._flush_at is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop to wait on: send now
-                self._flush()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to wait on: send now
+            self._flush()
+            return
+        now = time.monotonic()
+        wait = self.lazy_s if lazy else self._flushed_at + self.batch_s - now
+        if self._flush_at is not None:
+            if self._flush_due <= now + wait:
                 return
-            self._flush_at = loop.call_later(self.batch_s, self._flush)
+            self._flush_at.cancel()
+        self._flush_due = now + wait
+        if wait <= 0:
+            self._flush_at = loop.call_soon(self._flush)
+        else:
+            self._flush_at = loop.call_later(wait, self._flush)
 
     def _flush(self) -> None:
         if self._flush_at is not None:
             self._flush_at.cancel()
             self._flush_at = None
+            self._flush_due = float("inf")
         if not self._outbox:
             return
+        self._flushed_at = time.monotonic()
         outbox, self._outbox = self._outbox, []
         self._keyed.clear()
         if not self._links:
@@ -231,7 +263,7 @@ class SiblingBus:
         for i in range(0, len(outbox), 2):
             if outbox[i]:  # a replaced keyed message is left as an empty topic
                 batch += (outbox[i], outbox[i + 1])
-        body = msgpack.packb(batch)
+        body = packb(batch)
         frame = _LENGTH.pack(len(body)) + body
         for path, transport in self._links.items():
             if transport.get_write_buffer_size() > MAX_BUFFERED_BYTES:
@@ -344,6 +376,7 @@ class SiblingShare:
         self._sent = b""
         self._sent_at = float("-inf")
         self._applying = False
+        self._sent_inflight: dict[str, int] = {}  # per worker: local in-flight last sent
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -393,7 +426,7 @@ class SiblingShare:
             ranks[rank] = list(values)
         payload = orjson.dumps(own)
         if payload != self._sent or now - self._sent_at >= lease / 3:
-            self.bus.publish(COUNTS, payload)
+            self.bus.publish(COUNTS, payload, lazy=True)
             self._sent, self._sent_at = payload, now
         expired = [o for o, snapshot in self._snapshots.items() if now - snapshot[0] > lease]
         for origin in expired:
@@ -426,7 +459,12 @@ class SiblingShare:
         0.790 with no sync at all). ``begun_at`` goes along, so that every process rotates
         ties over the fleet's picks, not only its own."""
         ranks = [list(counters.local_tuple()) for counters in worker.ranks]
-        self.bus.publish(WORKER, orjson.dumps([worker.id, ranks, worker.begun_at]), key=worker.id)
+        payload = orjson.dumps([worker.id, ranks, worker.begun_at])
+        # Only a request begun is urgent news: a first token or an end makes the worker
+        # look busier than it is for a few milliseconds, never idler.
+        rose = worker.local_inflight > self._sent_inflight.get(worker.id, 0)
+        self._sent_inflight[worker.id] = worker.local_inflight
+        self.bus.publish(WORKER, payload, key=worker.id, lazy=not rose)
 
     def _on_worker(self, origin: str, payload: bytes) -> None:
         worker_id, ranks, begun_at = orjson.loads(payload)
@@ -465,7 +503,7 @@ class SiblingShare:
         of them the GETs and the parse (a py-spy profile of the multi-turn replay put the
         probe loop at a seventh of one process's CPU, 2026-12-03)."""
         payload = orjson.dumps([worker.id, samples], option=orjson.OPT_NON_STR_KEYS)
-        self.bus.publish(SCRAPE, payload, key=worker.id)
+        self.bus.publish(SCRAPE, payload, key=worker.id, lazy=True)
 
     def _on_scrape(self, origin: str, payload: bytes) -> None:
         """Take in a scrape from a lower-named sibling (the one that scrapes for all); a
@@ -484,7 +522,7 @@ class SiblingShare:
         """Share a probe this process made. Each process probing every worker cost each
         of them a GET per worker and interval: probes were 6-9 of an idle two-process
         router's 29 ms of CPU a second (2026-12-03, ``bench.router_cpu --idle``)."""
-        self.bus.publish(PROBE, orjson.dumps([worker.id, ok, error]), key=worker.id)
+        self.bus.publish(PROBE, orjson.dumps([worker.id, ok, error]), key=worker.id, lazy=ok)
 
     def _on_probe(self, origin: str, payload: bytes) -> None:
         """Take in a probe from a lower-named sibling, as ``_on_scrape`` a scrape."""

@@ -27,6 +27,7 @@ from router.metrics import KVMetrics
 from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
+from switchyard.packing import packb
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -149,7 +150,7 @@ class EmbeddedPrefixes:
         self._events_lock = ProcessLock(bus.directory / "kv-events.lock")
         bus.on(OPS, self._on_sibling_ops)
         self.store.on_ops = lambda instance, size, ops: bus.publish(
-            OPS, _pack_ops(instance, size, ops)
+            OPS, _pack_ops(instance, size, ops), lazy=True
         )
         bus.on_join = lambda: self._send_snapshot(bus)
         if not self._events_lock.acquire():
@@ -164,7 +165,7 @@ class EmbeddedPrefixes:
         if self.store.events_from_sibling:
             return
         for instance, block_size, ops in self.store.event_snapshot():
-            bus.publish(OPS, _pack_ops(instance, block_size, ops))
+            bus.publish(OPS, _pack_ops(instance, block_size, ops), lazy=True)
 
     async def _await_events_lock(self, lock: ProcessLock) -> None:
         while not lock.acquire():
@@ -183,7 +184,7 @@ class EmbeddedPrefixes:
         assert bus is not None
 
         def told(key: bytes, ids: list[int]) -> None:
-            bus.publish(TOKENS, msgpack.packb((model, key, ids)))
+            bus.publish(TOKENS, packb((model, key, ids)), lazy=True)
 
         return told
 
@@ -283,7 +284,7 @@ class EmbeddedPrefixes:
     async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
         await self.store.record_placement(keys, instance, rank, ttl_s)
         if self.siblings is not None and keys:
-            self.siblings.publish(PLACE, msgpack.packb((keys, instance, rank, ttl_s)))
+            self.siblings.publish(PLACE, packb((keys, instance, rank, ttl_s)), lazy=True)
 
     async def place_prompt(
         self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
@@ -330,7 +331,7 @@ def _pack_ops(instance: str, block_size: int | None, ops: list[Op]) -> bytes:
         else:
             loc = op.location
             wire.append((_ADD if isinstance(op, Add) else _REMOVE, loc.dp_rank, loc.tier, op.keys))
-    packed: bytes = msgpack.packb((instance, block_size, wire))
+    packed: bytes = packb((instance, block_size, wire))
     return packed
 
 

@@ -363,7 +363,8 @@ class ParityMonitor:
                         if self._due(worker, now):
                             result = await self.check(session, worker)
                             if self.siblings is not None:
-                                self.siblings.publish(PARITY, orjson.dumps(result.as_dict()))
+                                payload = orjson.dumps(result.as_dict())
+                                self.siblings.publish(PARITY, payload, lazy=True)
                 await asyncio.sleep(1.0)
 
     def _checks_here(self) -> bool:

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 
 from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
-from balancer.siblings import Handler, SiblingBus, SiblingShare, _Inbound
+from balancer.siblings import BATCH_S, LAZY_S, Handler, SiblingBus, SiblingShare, _Inbound
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -27,17 +27,19 @@ async def sibling(
     name: str | None = None,
     scrape_interval_s: float = 1.0,
     probe_interval_s: float = 2.0,
+    lease_s: float = 0.5,
+    lazy_s: float = LAZY_S,
 ) -> AsyncIterator[Fleet]:
     """A started fleet on the bus in ``directory``, as one process of a router runs it
     (``name``: its bus instance, else a random one)."""
     settings = BalancerSettings(
         sibling_sync_interval_s=0.02,
-        lease_s=0.5,
+        lease_s=lease_s,
         scrape_interval_s=scrape_interval_s,
         probe_interval_s=probe_interval_s,
     )
     fleet = Fleet(settings, [WorkerSpec.parse(s) for s in specs])
-    bus = SiblingBus(directory, rescan_s=0.05)
+    bus = SiblingBus(directory, rescan_s=0.05, lazy_s=lazy_s)
     if name is not None:
         bus.instance = name
     fleet.share_with_siblings(SiblingShare(fleet, bus))
@@ -93,6 +95,23 @@ async def test_a_request_a_sibling_begins_dates_the_worker_for_every_process(
         a.begin(wa)
         await eventually(lambda: wb.inflight == 1)
         assert wb.begun_at == wa.begun_at > 0.0
+
+
+async def test_a_request_begun_is_told_at_once_and_one_ended_with_the_lazy_news(
+    stub_engine: StubFactory, tmp_path: Path
+) -> None:
+    stub = await stub_engine()
+    spec = f"{stub.url};models=m"
+    slow = {"lease_s": 5.0, "lazy_s": 0.5}
+    async with linked(tmp_path, spec, low=slow, high=slow) as (a, b):
+        wa, wb = a.workers()[0], b.workers()[0]
+        ticket = a.begin(wa)
+        took = await eventually(lambda: wb.inflight == 1)
+        assert took < 0.25
+        a.end(ticket, Outcome.SUCCESS)
+        await asyncio.sleep(0.25)
+        assert wb.inflight == 1, "an end waits for lazy_s"
+        await eventually(lambda: wb.inflight == 0)
 
 
 async def test_a_stopped_siblings_counts_vanish_after_its_lease(
@@ -284,12 +303,14 @@ class RawSibling(asyncio.Protocol):
 
 
 @asynccontextmanager
-async def listening(tmp_path: Path) -> AsyncIterator[tuple[SiblingBus, RawSibling]]:
+async def listening(
+    tmp_path: Path, batch_s: float = BATCH_S
+) -> AsyncIterator[tuple[SiblingBus, RawSibling]]:
     """A bus connected to a bare socket in its directory, to see the frames themselves."""
     raw = RawSibling()
     loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: raw, str(tmp_path / "raw.sock"))
-    bus = SiblingBus(tmp_path, rescan_s=0.05)
+    bus = SiblingBus(tmp_path, rescan_s=0.05, batch_s=batch_s)
     await bus.start()
     try:
         await eventually(lambda: raw.connected)
@@ -310,6 +331,65 @@ async def test_messages_published_together_travel_in_one_frame(tmp_path: Path) -
         assert len(raw.received) == 4 + size
         frame = bytes(raw.received[4:])
         assert msgpack.unpackb(frame) == [bus.instance, b"a", b"1", b"b", b"2", b"a", b"3"]
+
+
+def frames(raw: RawSibling) -> list[list[bytes | str]]:
+    """The whole frames a bare sibling has received so far, unpacked."""
+    out, data = [], bytes(raw.received)
+    while len(data) >= 4:
+        (size,) = struct.unpack(">I", data[:4])
+        if len(data) < 4 + size:
+            break
+        out.append(msgpack.unpackb(data[4 : 4 + size]))
+        data = data[4 + size :]
+    return out
+
+
+async def test_a_message_after_a_quiet_spell_leaves_without_waiting_out_the_batch(
+    tmp_path: Path,
+) -> None:
+    async with listening(tmp_path, batch_s=30.0) as (bus, raw):
+        bus.publish(b"a", b"1")
+        bus.publish(b"b", b"2")
+        await eventually(lambda: len(frames(raw)) == 1)
+        assert frames(raw) == [[bus.instance, b"a", b"1", b"b", b"2"]]
+
+
+async def test_messages_within_a_batch_of_the_last_frame_wait_to_share_the_next(
+    tmp_path: Path,
+) -> None:
+    async with listening(tmp_path, batch_s=0.5) as (bus, raw):
+        bus.publish(b"a", b"1")
+        await eventually(lambda: len(frames(raw)) == 1)
+        bus.publish(b"b", b"2")
+        await asyncio.sleep(0.05)
+        bus.publish(b"c", b"3")
+        await asyncio.sleep(0.2)
+        assert len(frames(raw)) == 1
+        await eventually(lambda: len(frames(raw)) == 2)
+        assert frames(raw)[1] == [bus.instance, b"b", b"2", b"c", b"3"]
+
+
+async def test_a_lazy_message_waits_for_the_next_urgent_one_and_travels_first(
+    tmp_path: Path,
+) -> None:
+    async with listening(tmp_path, batch_s=0.0) as (bus, raw):
+        bus.lazy_s = 30.0
+        bus.publish(b"lazy", b"1", lazy=True)
+        await asyncio.sleep(0.2)
+        assert frames(raw) == []
+        bus.publish(b"urgent", b"2")
+        await eventually(lambda: len(frames(raw)) == 1)
+        assert frames(raw) == [[bus.instance, b"lazy", b"1", b"urgent", b"2"]]
+
+
+async def test_a_lazy_message_alone_leaves_after_lazy_s(tmp_path: Path) -> None:
+    async with listening(tmp_path) as (bus, raw):
+        bus.lazy_s = 0.4
+        bus.publish(b"lazy", b"1", lazy=True)
+        await asyncio.sleep(0.2)
+        assert frames(raw) == []
+        await eventually(lambda: len(frames(raw)) == 1)
 
 
 async def test_a_keyed_message_replaces_the_waiting_one_and_goes_last(tmp_path: Path) -> None:
