@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -24,6 +25,7 @@ class CountingStub(StubEngine):
     def __init__(self, metrics: str = IDLE_VLLM, health_delay_s: float = 0.0) -> None:
         super().__init__(("m",), metrics)
         self.scrapes = 0
+        self.scraped_at: list[float] = []
         self.health_delay_s = health_delay_s
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -32,6 +34,7 @@ class CountingStub(StubEngine):
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.scrapes += 1
+        self.scraped_at.append(time.monotonic())
         return await super()._metrics(request)
 
 
@@ -162,3 +165,27 @@ async def test_probes_waiting_for_a_connection_slot_do_not_time_out(
         for engine in stubs:
             await engine.stop()
     assert unhealthy == []
+
+
+async def test_a_small_fleets_workers_are_scraped_together_on_one_grid() -> None:
+    """One wake-up of the loop serves every worker: each scrape after the first falls just
+    after a multiple of the interval, the same one for every worker (jittered by ±10%
+    they would spread over ±100 ms)."""
+    stubs = [CountingStub() for _ in range(3)]
+    for engine in stubs:
+        await engine.start()
+    settings = BalancerSettings(probe_interval_s=2.0, scrape_interval_s=1.0)
+    fleet = Fleet(settings, [WorkerSpec(engine.url) for engine in stubs])
+    await fleet.start()
+    try:
+        await asyncio.sleep(3.3)
+    finally:
+        await fleet.stop()
+        for engine in stubs:
+            await engine.stop()
+    later = [engine.scraped_at[1:] for engine in stubs]
+    assert all(len(times) >= 2 for times in later)
+    for times in later:
+        assert all(t % 1.0 < 0.04 for t in times), times
+    grid = [{round(t) for t in times} for times in later]
+    assert grid[0] & grid[1] & grid[2], "the workers share their grid points"
