@@ -168,20 +168,20 @@ class Prober:
     def _jittered(self, interval_s: float) -> float:
         return interval_s * self._rng.uniform(1.0 - _JITTER, 1.0 + _JITTER)
 
-    def _due(self, start: float, wait_s: float, interval_s: float) -> float:
-        """When a check runs that is due ``wait_s`` after ``start``, at ``interval_s``.
+    def _due(self, began: float, interval_s: float, jittered_at: float) -> float:
+        """When the next check runs, the last one having begun at ``began``.
 
         A fleet the budget covers at ``interval_s`` checks its workers together: at the
         first multiple of ``interval_s`` (one grid for every worker and process, as the
-        monotonic clock is the system's) no earlier than the wait less its jitter, so one
-        wake-up of the loop serves them all and their news shares one bus frame. Each
-        worker on its own jittered time cost the idle two-process router 140 wake-ups a
-        second with 8 engines (strace, 2026-12-04). A larger fleet keeps the jitter, so
-        that its checks spread over the budget."""
+        monotonic clock is the system's) a tenth of it after ``began``, so one wake-up of
+        the loop serves them all and their news shares one bus frame; a check on the grid
+        is followed by the next point, one joining it comes within 1.1 intervals, as a
+        jittered one did. Each worker on its own jittered time cost the idle two-process
+        router 140 wake-ups a second with 8 engines (strace, 2026-12-04). A larger fleet
+        checks at ``jittered_at``, so that its checks spread over the budget."""
         if len(self._tasks) > self.settings.probe_budget_per_s * interval_s:
-            return start + self._jittered(wait_s)
-        earliest = start + wait_s * (1.0 - _JITTER)
-        return math.ceil(earliest / interval_s) * interval_s
+            return jittered_at
+        return math.ceil((began + _JITTER * interval_s) / interval_s) * interval_s
 
     async def _loop(self, worker: Worker) -> None:
         s = self.settings
@@ -217,10 +217,12 @@ class Prober:
                     if stable
                     else s.probe_interval_s
                 )
-                next_probe = (
-                    self._due(taken, interval * _TAKEN_FOR, interval)
+                next_probe = self._due(
+                    now,
+                    interval,
+                    taken + self._jittered(interval) * _TAKEN_FOR
                     if shared
-                    else self._due(time.monotonic(), interval, interval)
+                    else time.monotonic() + self._jittered(interval),
                 )
             if worker.healthy and (not worker.models or now + _TIMER_SLACK_S >= next_models):
                 if not worker.spec.models:
@@ -233,12 +235,12 @@ class Prober:
                 every = self._scrape_every(worker)
                 taken = self._taken.get(worker.id, float("-inf"))
                 if now - taken < every * _TAKEN_FOR:
-                    next_scrape = self._due(taken, every * _TAKEN_FOR, every)
+                    next_scrape = self._due(now, every, taken + self._jittered(every) * _TAKEN_FOR)
                 else:
                     await self._scrape(worker)
                     last_scrape = time.monotonic()
                     every = self._scrape_every(worker)
-                    next_scrape = self._due(last_scrape, every, every)
+                    next_scrape = self._due(now, every, last_scrape + self._jittered(every))
             wait = min(next_probe, next_scrape, next_models) - time.monotonic()
             # asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that meets a
             # set event (gh-86296), and ``demand`` sets it on every idle worker's request.
