@@ -230,16 +230,16 @@ class SiblingBus:
                 self._outbox[at] = self._outbox[at + 1] = b""  # no topic: skipped
             self._keyed[(topic, key)] = len(self._outbox)
         self._outbox += (topic, payload)
+        now = time.monotonic()
+        wait = self.lazy_s if lazy else self._flushed_at + self.batch_s - now
+        if self._flush_at is not None and self._flush_due <= now + wait:
+            return  # the waiting flush takes it, soon enough
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop to wait on: send now
             self._flush()
             return
-        now = time.monotonic()
-        wait = self.lazy_s if lazy else self._flushed_at + self.batch_s - now
         if self._flush_at is not None:
-            if self._flush_due <= now + wait:
-                return
             self._flush_at.cancel()
         self._flush_due = now + wait
         if wait <= 0:
