@@ -1,7 +1,7 @@
 """ZMQ SUB client for one engine publisher, with replay over its ROUTER socket.
 
-Runs as an asyncio task on the store's loop (``switchyard.zmqrecv`` reads the socket),
-so index updates and lookups never race. Replay protocol (vLLM): a DEALER sends
+Runs as an asyncio task on the store's loop (``switchyard.zmtp`` reads the publisher's
+stream), so index updates and lookups never race. Replay protocol (vLLM): a DEALER sends
 ``[b"", start_seq]`` (8 bytes, big-endian) to the publisher's ROUTER socket; it answers
 ``[b"", topic, seq, payload]`` per buffered batch, then ``seq = -1``. Older publishers
 leave the topic out, so the sequence and payload are read from the end of the frames.
@@ -18,7 +18,8 @@ import zmq.asyncio
 
 from kvstore.events import EventDecodeError, decode_seq
 from kvstore.feed import Feed
-from switchyard.zmqrecv import ZmqContext, messages
+from switchyard.zmqrecv import ZmqContext
+from switchyard.zmtp import subscribe
 
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
@@ -80,26 +81,31 @@ class Subscriber:
 
     async def _run(self) -> None:
         assert self.feed.endpoint is not None
-        sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, 100_000)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.feed.endpoint)
+        stream = subscribe(self.feed.endpoint)
+        # Connecting starts with the first read; what arrives while catching up waits.
+        first = asyncio.ensure_future(anext(stream))
         try:
             if self._catch_up is not None:
                 try:
                     await self._catch_up(self.feed)
                 except Exception:
                     log.exception("%s: catching up failed", self.feed.instance)
-            async for frames in messages(sock):
-                if len(frames) < 2:
-                    continue
-                seq_frame, payload = frames[-2], frames[-1]
-                try:
-                    await self._on_frame(self.feed, decode_seq(seq_frame), payload)
-                except EventDecodeError as exc:
-                    log.warning("%s: undecodable frame: %s", self.feed.instance, exc)
-                except Exception:
-                    log.exception("%s: event handling failed", self.feed.instance)
+            await self._handle(await first)
+            async for frames in stream:
+                await self._handle(frames)
         finally:
-            sock.close(linger=0)
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+            await stream.aclose()
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        seq_frame, payload = frames[-2], frames[-1]
+        try:
+            await self._on_frame(self.feed, decode_seq(seq_frame), payload)
+        except EventDecodeError as exc:
+            log.warning("%s: undecodable frame: %s", self.feed.instance, exc)
+        except Exception:
+            log.exception("%s: event handling failed", self.feed.instance)
