@@ -24,7 +24,7 @@ from balancer.worker import Worker
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore
 from router.admission import PRIORITIES, Admission, TTFTModel
-from router.connections import CLIENT_GONE
+from router.connections import CLIENT_GONE, STREAM_WRITER
 from router.control import build_control_app
 from router.errors import RouterError
 from router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
@@ -38,6 +38,7 @@ from router.scheduler.framework import Context, Scheduler
 from router.settings import RouterSettings
 from router.tenants import TenantRequests
 from switchyard.auth import data_access
+from switchyard.httpclient import PieceWriter
 
 log = logging.getLogger("switchyard.router")
 
@@ -49,14 +50,20 @@ class _ClientGone(Exception):
 class _Response:
     """Wraps ``send`` to remember how far the response got (for errors and disconnects)."""
 
-    __slots__ = ("send", "started", "finished", "client_gone", "is_sse")
+    __slots__ = ("send", "started", "finished", "client_gone", "is_sse", "_writer")
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, writer: Callable[[], PieceWriter | None] | None = None) -> None:
+        """``writer``: the server's ``STREAM_WRITER`` extension, where it has one."""
         self.send = send
+        self._writer = writer
         self.started = False
         self.finished = False
         self.client_gone = False
         self.is_sse = False
+
+    def stream_writer(self) -> PieceWriter | None:
+        """The server's synchronous writer of the next streamed pieces, if it has one."""
+        return self._writer() if self._writer is not None else None
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -249,7 +256,7 @@ class RouterApp:
         forward_headers["x-request-id"] = request_id.decode("ascii")
         if self.worker_authorization is not None:
             forward_headers["authorization"] = self.worker_authorization
-        response = _Response(send)
+        response = _Response(send, scope.get("extensions", {}).get(STREAM_WRITER))
         status, worker_id = 500, "none"
         task = asyncio.current_task()
         tenant: str | None = None

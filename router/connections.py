@@ -47,6 +47,7 @@ import httptools
 from starlette.types import ASGIApp, Message, Scope
 
 from switchyard.errors import error_body
+from switchyard.httpclient import PieceWriter
 
 log = logging.getLogger("switchyard.router.connections")
 
@@ -57,6 +58,9 @@ _BODY_HIGH_WATER = 64 * 1024
 # The scope's ``extensions`` key of ``Exchange.when_gone``: register a callback run once if
 # the client goes away before its response is complete.
 CLIENT_GONE = "switchyard.client_gone"
+# The scope's ``extensions`` key of ``Exchange.stream_writer``: a relay's way to write the
+# pieces of a streamed body from the upstream protocol's callback (``switchyard.relay``).
+STREAM_WRITER = "switchyard.stream_writer"
 
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _STATUS_LINES = {
@@ -227,6 +231,25 @@ class Exchange:
             self.gone = None
             self.wake()
             conn.answered(self)
+
+    def stream_writer(self) -> PieceWriter | None:
+        """A synchronous writer of the next pieces of a started chunked response (None for
+        any other): a relay hands each upstream piece to it from the upstream protocol's
+        callback, without a task switch and an ASGI message each. The response still ends
+        with a ``send`` of its last body message."""
+        if not self.started or self.complete or not self.chunked or self.scope["method"] == "HEAD":
+            return None
+        return self._write_piece
+
+    def _write_piece(self, body: bytes) -> asyncio.Future[None] | None:
+        if self.disconnected or self.complete or not body:
+            return None
+        data = b"%x\r\n%s\r\n" % (len(body), body)
+        if self.head:
+            data, self.head = self.head + data, b""
+        conn = self.conn
+        conn.transport.write(data)
+        return conn.write_paused
 
     def _head(self, status: int, headers: Any) -> bytes:
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
@@ -479,7 +502,10 @@ class ClientConnection(asyncio.Protocol):
             "query_string": query,
             "headers": self.headers,
             "state": self.app_state.copy(),
-            "extensions": {CLIENT_GONE: exchange.when_gone},
+            "extensions": {
+                CLIENT_GONE: exchange.when_gone,
+                STREAM_WRITER: exchange.stream_writer,
+            },
         }
         cap = self.limits.max_connections
         app: ASGIApp = self.app

@@ -24,7 +24,13 @@ from router.admission import Expected, TTFTModel
 from router.errors import RouterError, engine_error_body
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
-from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
+from router.relay import (
+    Relay,
+    StreamingSend,
+    UpstreamTimeout,
+    response_headers,
+    send_complete,
+)
 from router.request import COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 from router.upstream import Call, Unsent
@@ -321,7 +327,11 @@ class Forwarder:
             self._first_token(ttft, clocks, ticket, expected, ctx, rank)
             await send({"type": "http.response.body", "body": first, "more_body": True})
             tail = await self.relay.stream(
-                resp, send, first, lambda n: self.fleet.progress(ticket, n)
+                resp,
+                send,
+                first,
+                lambda n: self.fleet.progress(ticket, n),
+                send.stream_writer() if isinstance(send, StreamingSend) else None,
             )
             await send({"type": "http.response.body", "body": b""})
             return tail

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 from starlette.types import Send
 
-from switchyard.httpclient import ConnectionPool, Response
+from switchyard.httpclient import ConnectionPool, PieceWriter, Response
 
 # Headers that describe one connection, not the message: never forwarded either way.
 HOP_BY_HOP = frozenset(
@@ -30,6 +31,13 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
+
+
+@runtime_checkable
+class StreamingSend(Protocol):
+    """A ``send`` that also offers the server's synchronous piece writer (``router.app``)."""
+
+    def stream_writer(self) -> PieceWriter | None: ...
 
 
 class UpstreamTimeout(Exception):
@@ -104,19 +112,34 @@ class Relay:
         send: Send,
         first: bytes,
         on_progress: Callable[[int], None],
+        write: PieceWriter | None = None,
     ) -> bytes:
         """Forward the chunks after ``first`` (already sent) as they arrive; return the
         last two (where usage is).
 
-        ``on_progress`` hears the chunk count every 16 chunks (about one token each
-        from vLLM/SGLang), so the load model sees decode contexts grow. Raises
-        UpstreamTimeout if the stream goes idle.
+        ``write``, where the server offers one (``router.connections``), takes each chunk
+        straight from the upstream connection's callback (``Response.pipe``); else each
+        goes through ``send``. ``on_progress`` hears the chunk count every 16 chunks (about
+        one token each from vLLM/SGLang), so the load model sees decode contexts grow.
+        Raises UpstreamTimeout if the stream goes idle.
         """
         idle = self.idle_timeout_s
         resp.idle_timeout(idle)
         chunks = 1
         previous, last = b"", first
         try:
+            if write is not None:
+
+                def forward(chunk: bytes) -> asyncio.Future[None] | None:
+                    nonlocal chunks, previous, last
+                    chunks += 1
+                    if not chunks & 15:
+                        on_progress(chunks)
+                    previous, last = last, chunk
+                    return write(chunk)
+
+                await resp.pipe(forward)
+                return previous + last
             while True:
                 chunk = await resp.readany()
                 if not chunk:

@@ -21,6 +21,7 @@ import functools
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -29,6 +30,9 @@ import httptools
 
 # Body bytes buffered from a worker before its socket is no longer read (a slow client).
 _HIGH_WATER_BYTES = 1 << 20
+# Takes one piece of a body as it arrives; returns a future to wait for before the next
+# (the reader is slow: the connection stops reading until it is done), or None.
+PieceWriter = Callable[[bytes], "asyncio.Future[None] | None"]
 # Above this, a request's head and body are handed to the transport apart (no copy).
 _JOIN_BODY_BYTES = 64 * 1024
 
@@ -61,6 +65,7 @@ class Response:
         "_idle_s",
         "_fed_at",
         "_timer",
+        "_sink",
     )
 
     def __init__(self, conn: _Connection) -> None:
@@ -75,6 +80,7 @@ class Response:
         self._idle_s: float | None = None
         self._fed_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._sink: PieceWriter | None = None
 
     def idle_timeout(self, idle_s: float) -> None:
         """From now on ``readany`` raises ``TimeoutError`` once no body bytes came for
@@ -125,6 +131,42 @@ class Response:
             self._conn.resume()
         return data
 
+    async def pipe(self, write: PieceWriter) -> None:
+        """Hand the rest of the body to ``write``, piece by piece, from the connection's own
+        callback as each arrives; return at its end. Raises as ``readany`` does (the
+        connection's error, ``TimeoutError`` once idle for the ``idle_timeout``).
+
+        A relay through ``readany`` woke its task, made a future and an ASGI message for
+        every piece (an SSE chunk, about a token): 75 us a chunk in all against smg's 55 on
+        the multi-turn replay (2026-12-04)."""
+        if self._chunks:
+            data = b"".join(self._chunks)
+            self._chunks.clear()
+            self._size = 0
+            self._hand(write, data)
+        self._sink = write
+        try:
+            while self._error is None and not self._done:
+                loop = asyncio.get_running_loop()
+                self._waiter = loop.create_future()
+                if self._idle_s is not None and self._timer is None:
+                    self._timer = loop.call_at(self._fed_at + self._idle_s, self._idle_check)
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            if self._error is not None:
+                raise self._error
+        finally:
+            self._sink = None
+
+    def _hand(self, write: PieceWriter, data: bytes) -> None:
+        slow = write(data)
+        conn = self._conn
+        if slow is not None and conn is not None:
+            conn.pause()
+            slow.add_done_callback(lambda _: conn.resume())
+
     async def read(self) -> bytes:
         """The rest of the body."""
         parts = []
@@ -142,6 +184,9 @@ class Response:
     def _feed(self, data: bytes) -> None:
         if self._idle_s is not None:
             self._fed_at = asyncio.get_running_loop().time()
+        if self._sink is not None:
+            self._hand(self._sink, data)
+            return
         self._chunks.append(data)
         self._size += len(data)
         if self._size > _HIGH_WATER_BYTES and self._conn is not None:

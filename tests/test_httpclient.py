@@ -304,3 +304,77 @@ async def test_a_get_sends_a_bodiless_head_and_keeps_its_connection(
     assert worker.connections == 1
     assert worker.requests[0].startswith(b"GET /health?x=1 HTTP/1.1\r\nHost: 127.0.0.1:")
     assert b"content-length" not in worker.requests[0].lower()
+
+
+async def test_a_piped_stream_hands_each_piece_to_the_writer_as_it_arrives(serve, pool) -> None:
+    release = asyncio.Event()
+
+    async def stream(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await w.drain()
+        await release.wait()
+        w.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await w.drain()
+
+    worker = await serve(stream)
+    resp = await pool.post(worker.url, b"{}", {})
+    pieces: list[bytes] = []
+
+    def write(piece: bytes) -> asyncio.Future[None] | None:
+        pieces.append(piece)
+        return None
+
+    piping = asyncio.ensure_future(resp.pipe(write))
+    async with asyncio.timeout(2):
+        while not pieces:
+            await asyncio.sleep(0.01)
+    assert pieces == [b"first"] and not piping.done()  # handed before the body ended
+    release.set()
+    async with asyncio.timeout(2):
+        await piping
+    assert pieces == [b"first", b"second"]
+
+
+async def test_a_piped_stream_silent_for_its_idle_timeout_raises_timeout_error(serve, pool) -> None:
+    worker = await serve(chunks_every(0.0, 1, then_silent=True))
+    resp = await pool.post(worker.url, b"{}", {})
+    resp.idle_timeout(0.3)
+    pieces: list[bytes] = []
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    with pytest.raises(TimeoutError):
+        await resp.pipe(lambda piece: pieces.append(piece))  # type: ignore[func-returns-value]
+    assert pieces == [b"x"]
+    assert 0.25 <= loop.time() - began < 2.0
+    resp.close()
+
+
+async def test_a_slow_pipe_writer_pauses_the_connection_until_it_catches_up(serve, pool) -> None:
+    payload = bytes(range(256)) * (12 * 1024)  # 3 MiB: many pieces
+
+    async def large(r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker) -> None:
+        await worker.request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        await w.drain()
+
+    worker = await serve(large)
+    resp = await pool.post(worker.url, b"{}", {})
+    loop = asyncio.get_running_loop()
+    pieces: list[bytes] = []
+    caught_up: asyncio.Future[None] | None = None
+    early: list[bytes] = []
+
+    def write(piece: bytes) -> asyncio.Future[None] | None:
+        nonlocal caught_up
+        if caught_up is not None and not caught_up.done():
+            early.append(piece)  # came while the writer asked to wait
+        pieces.append(piece)
+        caught_up = loop.create_future()
+        loop.call_later(0.002, caught_up.set_result, None)
+        return caught_up
+
+    async with asyncio.timeout(10):
+        await resp.pipe(write)
+    assert b"".join(pieces) == payload
+    assert early == []
