@@ -115,14 +115,7 @@ class Response:
                 raise self._error
             if self._done:
                 return b""
-            loop = asyncio.get_running_loop()
-            self._waiter = loop.create_future()
-            if self._idle_s is not None and self._timer is None:
-                self._timer = loop.call_at(self._fed_at + self._idle_s, self._idle_check)
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._wait()
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -147,18 +140,22 @@ class Response:
         self._sink = write
         try:
             while self._error is None and not self._done:
-                loop = asyncio.get_running_loop()
-                self._waiter = loop.create_future()
-                if self._idle_s is not None and self._timer is None:
-                    self._timer = loop.call_at(self._fed_at + self._idle_s, self._idle_check)
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+                await self._wait()
             if self._error is not None:
                 raise self._error
         finally:
             self._sink = None
+
+    async def _wait(self) -> None:
+        """Until the connection wakes us (bytes, the end, a failure) or the idle timer fires."""
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        if self._idle_s is not None and self._timer is None:
+            self._timer = loop.call_at(self._fed_at + self._idle_s, self._idle_check)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def _hand(self, write: PieceWriter, data: bytes) -> None:
         slow = write(data)

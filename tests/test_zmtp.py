@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -117,6 +117,25 @@ async def test_an_ipc_publisher_is_read(ctx: zmq.Context, tmp_path: Path) -> Non
     await stream.aclose()
 
 
+async def subscribed_to(
+    peer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    caplog: pytest.LogCaptureFixture,
+    for_s: float,
+) -> bool:
+    """Subscribe to a scripted TCP peer for ``for_s`` (warnings captured); whether a
+    message came meanwhile."""
+    server = await asyncio.start_server(peer, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reading = asyncio.ensure_future(anext(zmtp.subscribe(f"tcp://127.0.0.1:{port}")))
+    with caplog.at_level(logging.WARNING, "switchyard.zmtp"):
+        await asyncio.sleep(for_s)
+    came = reading.done()
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    server.close()
+    return came
+
+
 async def test_a_peer_that_is_not_zmq_is_warned_of_and_retried(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -129,18 +148,9 @@ async def test_a_peer_that_is_not_zmq_is_warned_of_and_retried(
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(http, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}")
-    reading = asyncio.ensure_future(anext(stream))
-    with caplog.at_level(logging.WARNING, "switchyard.zmtp"):
-        await asyncio.sleep(0.5)
-    assert not reading.done()
+    assert not await subscribed_to(http, caplog, 0.5)
     assert answered >= 2
     assert "not a ZMQ peer" in caplog.text
-    reading.cancel()
-    await asyncio.gather(reading, return_exceptions=True)
-    server.close()
 
 
 async def test_a_zmq_peer_that_is_no_publisher_is_refused(
@@ -156,17 +166,8 @@ async def test_a_zmq_peer_that_is_no_publisher_is_refused(
         await reader.read(1000)
         writer.close()
 
-    server = await asyncio.start_server(pull, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}")
-    reading = asyncio.ensure_future(anext(stream))
-    with caplog.at_level(logging.WARNING, "switchyard.zmtp"):
-        await asyncio.sleep(0.3)
+    assert not await subscribed_to(pull, caplog, 0.3)
     assert "the peer is a PULL socket, not PUB" in caplog.text
-    assert not reading.done()
-    reading.cancel()
-    await asyncio.gather(reading, return_exceptions=True)
-    server.close()
 
 
 def test_an_endpoint_that_is_neither_tcp_nor_ipc_is_refused() -> None:
