@@ -66,6 +66,7 @@ class Response:
         "_fed_at",
         "_timer",
         "_sink",
+        "_loop",
     )
 
     def __init__(self, conn: _Connection) -> None:
@@ -81,6 +82,9 @@ class Response:
         self._fed_at = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._sink: PieceWriter | None = None
+        # The pool's loop: asyncio.get_running_loop() is a getpid() syscall on Python 3.11,
+        # and ``_feed`` runs once a chunk.
+        self._loop = conn.pool.loop
 
     def idle_timeout(self, idle_s: float) -> None:
         """From now on ``readany`` raises ``TimeoutError`` once no body bytes came for
@@ -89,7 +93,7 @@ class Response:
         ``asyncio.timeout`` moved on every chunk cost a timer a chunk, 5.7 us each (uvloop,
         2026-12-03)."""
         self._idle_s = idle_s
-        self._fed_at = asyncio.get_running_loop().time()
+        self._fed_at = self._loop.time()
 
     @property
     def ready(self) -> bool:
@@ -148,7 +152,7 @@ class Response:
 
     async def _wait(self) -> None:
         """Until the connection wakes us (bytes, the end, a failure) or the idle timer fires."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._waiter = loop.create_future()
         if self._idle_s is not None and self._timer is None:
             self._timer = loop.call_at(self._fed_at + self._idle_s, self._idle_check)
@@ -180,7 +184,7 @@ class Response:
 
     def _feed(self, data: bytes) -> None:
         if self._idle_s is not None:
-            self._fed_at = asyncio.get_running_loop().time()
+            self._fed_at = self._loop.time()
         if self._sink is not None:
             self._hand(self._sink, data)
             return
@@ -207,7 +211,7 @@ class Response:
         if waiter is None or waiter.done():
             return  # not waiting: the next read that waits makes the timer again
         assert self._idle_s is not None
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         due = self._fed_at + self._idle_s
         if loop.time() >= due:
             waiter.set_exception(TimeoutError())
