@@ -215,7 +215,10 @@ class _Sub(asyncio.Protocol):
 async def _connect(endpoint: str) -> _Sub:
     loop = asyncio.get_running_loop()
     if endpoint.startswith("ipc://"):
-        _, proto = await loop.create_unix_connection(lambda: _Sub(endpoint), endpoint[6:])
+        path = endpoint[6:]
+        if path.startswith("@"):  # libzmq's spelling of Linux's abstract namespace
+            path = "\0" + path[1:]
+        _, proto = await loop.create_unix_connection(lambda: _Sub(endpoint), path)
     else:
         parts = urlsplit(endpoint)
         if parts.scheme != "tcp" or parts.hostname is None or parts.port is None:

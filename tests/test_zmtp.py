@@ -117,6 +117,17 @@ async def test_an_ipc_publisher_is_read(ctx: zmq.Context, tmp_path: Path) -> Non
     await stream.aclose()
 
 
+async def test_an_ipc_publisher_in_the_abstract_namespace_is_read(
+    ctx: zmq.Context, tmp_path: Path
+) -> None:
+    endpoint = f"ipc://@switchyard-test-{tmp_path.name}"
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    stream = zmtp.subscribe(endpoint)
+    await until_received(pub, stream)
+    await stream.aclose()
+
+
 async def subscribed_to(
     peer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
     caplog: pytest.LogCaptureFixture,
