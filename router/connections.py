@@ -220,10 +220,7 @@ class Exchange:
                 raise RuntimeError("Response content longer than Content-Length")
             self.length_left -= len(body)
             data = body
-        if self.head:
-            data, self.head = self.head + data, b""
-        if data:
-            conn.transport.write(data)
+        self._write(data)
         if not more:
             if self.length_left and self.scope["method"] != "HEAD":
                 raise RuntimeError("Response content shorter than Content-Length")
@@ -244,12 +241,15 @@ class Exchange:
     def _write_piece(self, body: bytes) -> asyncio.Future[None] | None:
         if self.disconnected or self.complete or not body:
             return None
-        data = b"%x\r\n%s\r\n" % (len(body), body)
+        self._write(b"%x\r\n%s\r\n" % (len(body), body))
+        return self.conn.write_paused
+
+    def _write(self, data: bytes) -> None:
+        """Response bytes to the client, after the head if it has not gone yet (one send)."""
         if self.head:
             data, self.head = self.head + data, b""
-        conn = self.conn
-        conn.transport.write(data)
-        return conn.write_paused
+        if data:
+            self.conn.transport.write(data)
 
     def _head(self, status: int, headers: Any) -> bytes:
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]

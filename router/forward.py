@@ -24,13 +24,7 @@ from router.admission import Expected, TTFTModel
 from router.errors import RouterError, engine_error_body
 from router.kv import KVAwareness
 from router.metrics import RouterMetrics
-from router.relay import (
-    Relay,
-    StreamingSend,
-    UpstreamTimeout,
-    response_headers,
-    send_complete,
-)
+from router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from router.request import COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
 from router.upstream import Call, Unsent
@@ -326,12 +320,16 @@ class Forwarder:
                 return b""
             self._first_token(ttft, clocks, ticket, expected, ctx, rank)
             await send({"type": "http.response.body", "body": first, "more_body": True})
+            # The app's send offers the server's piece writer (``router.app._Response``);
+            # a getattr, not an isinstance of a runtime-checkable Protocol, which py-spy
+            # showed on the request path (typing._get_protocol_attrs, 2026-12-05).
+            offered = getattr(send, "stream_writer", None)
             tail = await self.relay.stream(
                 resp,
                 send,
                 first,
                 lambda n: self.fleet.progress(ticket, n),
-                send.stream_writer() if isinstance(send, StreamingSend) else None,
+                offered() if offered is not None else None,
             )
             await send({"type": "http.response.body", "body": b""})
             return tail

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 
 from starlette.types import Send
 
@@ -31,13 +30,6 @@ HOP_BY_HOP = frozenset(
         b"content-length",
     }
 )
-
-
-@runtime_checkable
-class StreamingSend(Protocol):
-    """A ``send`` that also offers the server's synchronous piece writer (``router.app``)."""
-
-    def stream_writer(self) -> PieceWriter | None: ...
 
 
 class UpstreamTimeout(Exception):

@@ -120,10 +120,7 @@ class Response:
             if self._done:
                 return b""
             await self._wait()
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._size = 0
+        data = self._take()
         if self._conn is not None:
             self._conn.resume()
         return data
@@ -137,10 +134,7 @@ class Response:
         every piece (an SSE chunk, about a token): 75 us a chunk in all against smg's 55 on
         the multi-turn replay (2026-12-04)."""
         if self._chunks:
-            data = b"".join(self._chunks)
-            self._chunks.clear()
-            self._size = 0
-            self._hand(write, data)
+            self._hand(write, self._take())
         self._sink = write
         try:
             while self._error is None and not self._done:
@@ -149,6 +143,14 @@ class Response:
                 raise self._error
         finally:
             self._sink = None
+
+    def _take(self) -> bytes:
+        """The body bytes buffered so far, as one piece."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._size = 0
+        return data
 
     async def _wait(self) -> None:
         """Until the connection wakes us (bytes, the end, a failure) or the idle timer fires."""

@@ -18,22 +18,21 @@ from switchyard import zmtp
 pytestmark = pytest.mark.timeout(30)
 
 
-async def until_received(pub: zmq.Socket[bytes], stream: AsyncIterator[list[bytes]]) -> None:
-    """Publish probes until one arrives: the subscription takes a moment to reach the PUB."""
+async def until_received(pub: zmq.Socket[bytes], stream: AsyncIterator[list[bytes]]) -> list[bytes]:
+    """Publish probes until one arrives (the subscription takes a moment to reach the PUB),
+    then a fence; returns the first message after the probes (the fence, if all is well)."""
     pending = asyncio.ensure_future(anext(stream))
     async with asyncio.timeout(10):
         while not pending.done():
             pub.send_multipart([b"probe"])
             await asyncio.wait([pending], timeout=0.02)
     assert pending.result() == [b"probe"]
-    while True:  # probes already on their way
-        nxt = asyncio.ensure_future(anext(stream))
-        pub.send_multipart([b"fence"])
-        async with asyncio.timeout(5):
-            while (got := await nxt) == [b"probe"]:
-                nxt = asyncio.ensure_future(anext(stream))
-        assert got == [b"fence"]
-        return
+    nxt = asyncio.ensure_future(anext(stream))
+    pub.send_multipart([b"fence"])
+    async with asyncio.timeout(5):
+        while (got := await nxt) == [b"probe"]:  # probes already on their way
+            nxt = asyncio.ensure_future(anext(stream))
+    return got
 
 
 @pytest.fixture
@@ -47,7 +46,7 @@ async def test_multipart_messages_arrive_whole_and_in_order(ctx: zmq.Context) ->
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}")
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     sent = [[b"topic", i.to_bytes(8, "big"), bytes([i % 251]) * (i * 37)] for i in range(200)]
     for frames in sent:
         pub.send_multipart(frames)
@@ -80,12 +79,12 @@ async def test_a_restarted_publisher_is_read_again(ctx: zmq.Context) -> None:
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
     stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}")
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     pub.close(linger=0)
     await asyncio.sleep(0.2)
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"tcp://127.0.0.1:{port}")
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     pub.send_multipart([b"after", b"restart"])
     async with asyncio.timeout(5):
         assert await anext(stream) == [b"after", b"restart"]
@@ -99,7 +98,7 @@ async def test_a_publisher_with_heartbeats_keeps_the_connection(ctx: zmq.Context
     monitor = pub.get_monitor_socket()
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}")
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     await asyncio.sleep(0.6)  # four heartbeat timeouts: each PING was answered
     events = []
     while monitor.poll(0):
@@ -113,7 +112,7 @@ async def test_an_ipc_publisher_is_read(ctx: zmq.Context, tmp_path: Path) -> Non
     pub = ctx.socket(zmq.PUB)
     pub.bind(f"ipc://{tmp_path}/events")
     stream = zmtp.subscribe(f"ipc://{tmp_path}/events")
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     await stream.aclose()
 
 
@@ -124,7 +123,7 @@ async def test_an_ipc_publisher_in_the_abstract_namespace_is_read(
     pub = ctx.socket(zmq.PUB)
     pub.bind(endpoint)
     stream = zmtp.subscribe(endpoint)
-    await until_received(pub, stream)
+    assert await until_received(pub, stream) == [b"fence"]
     await stream.aclose()
 
 
