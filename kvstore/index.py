@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, Protocol
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
@@ -71,6 +72,7 @@ def rank_matches(matches: list[Match]) -> list[Match]:
     )
 
 
+@lru_cache(maxsize=256)
 def tier_of(medium: str | None) -> str:
     """Engine medium names (vLLM ``GPU``/``CPU``, LMCache ``LocalDisk`` …) to our tiers."""
     if not medium:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -42,12 +43,13 @@ class StoredTokens:
     serial: int
     rank: int
     parent_block_hash: EngineHash | None
-    block_hashes: tuple[EngineHash, ...]
-    token_ids: tuple[int, ...]
+    block_hashes: Sequence[EngineHash]  # the event's own lists: decoded events are not changed
+    token_ids: Sequence[int]
     block_size: int
 
 
 RECENT_STORED = 256
+_UNSET = object()
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
@@ -85,6 +87,7 @@ class Ingestor:
         self.stats = IngestStats()
         # engine hash -> our key, per (rank, tier); bounded so a lossy stream cannot leak.
         self._maps: dict[tuple[int, str], dict[EngineHash, int]] = {}
+        self._locations: dict[tuple[int, str], Location] = {}
         self._warned_block_size = False
         # The last BlockStored events as published (serial numbers grow by one per event).
         self.recent: deque[StoredTokens] = deque(maxlen=RECENT_STORED)
@@ -124,29 +127,54 @@ class Ingestor:
                 ops.append(Add(list(hmap.values()), Location(self.instance, rank, tier)))
         return ops
 
+    def _location(self, rank: int, tier: str) -> Location:
+        loc = self._locations.get((rank, tier))
+        if loc is None:
+            loc = self._locations[(rank, tier)] = Location(self.instance, rank, tier)
+        return loc
+
     def ops(self, batch: EventBatch) -> list[Op]:
+        """Index operations for one batch, in event order. Consecutive removals from one
+        tier become one ``Remove``: vLLM publishes one ``BlockRemoved`` per evicted block,
+        and on the Mooncake replay (2026-12-05) 20 of a batch's 21 events were those."""
         rank = self.default_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
         self.ranks_seen.add(rank)
         st = self.stats
         st.batches += 1
         st.events += len(batch.events)
         out: list[Op] = []
+        removed: list[int] | None = None  # the keys of the Remove last appended to ``out``
+        medium: object = _UNSET  # of the removals in a row, whose hash map ``pop`` is
+        pop: Callable[[EngineHash, None], int | None] | None = None
+        tier = ""
+        n_removed = 0
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
+            if type(ev) is BlockRemoved:
+                if ev.medium != medium or pop is None:
+                    medium = ev.medium
+                    tier = tier_of(ev.medium)
+                    pop = self._map(rank, tier).pop
+                    removed = None
+                for h in ev.block_hashes:
+                    key = pop(h, None)
+                    if key is None:
+                        continue
+                    if removed is None:
+                        removed = []
+                        out.append(Remove(removed, self._location(rank, tier)))
+                    removed.append(key)
+                    n_removed += 1
+                continue
+            removed, pop = None, None
+            if type(ev) is BlockStored:
                 op = self._stored(ev, rank)
                 if op is not None:
                     out.append(op)
-            elif isinstance(ev, BlockRemoved):
-                tier = tier_of(ev.medium)
-                hmap = self._map(rank, tier)
-                keys = [k for k in (hmap.pop(h, None) for h in ev.block_hashes) if k is not None]
-                st.blocks_removed += len(keys)
-                if keys:
-                    out.append(Remove(keys, Location(self.instance, rank, tier)))
-            elif isinstance(ev, AllBlocksCleared):
+            elif type(ev) is AllBlocksCleared:
                 st.clears += 1
                 self.forget(rank)
                 out.append(Clear(self.instance, rank))
+        st.blocks_removed += n_removed
         return out
 
     def _stored(self, ev: BlockStored, rank: int) -> Add | None:
@@ -157,8 +185,8 @@ class Ingestor:
                 self.stored_serial,
                 rank,
                 ev.parent_block_hash,
-                tuple(ev.block_hashes),
-                tuple(ev.token_ids),
+                ev.block_hashes,
+                ev.token_ids,
                 ev.block_size,
             )
         )
@@ -201,4 +229,4 @@ class Ingestor:
         if len(hmap) > self.max_mapped_blocks:
             for h in list(islice(iter(hmap), len(hmap) - self.max_mapped_blocks)):
                 del hmap[h]
-        return Add(keys, Location(self.instance, rank, tier))
+        return Add(keys, self._location(rank, tier))

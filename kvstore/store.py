@@ -621,9 +621,13 @@ class KVStore:
         self._learn_block_size(feed)
         if ops and self.on_ops is not None:
             self.on_ops(feed.instance, feed.ingestor.block_size, ops)
-        m.blocks_stored.inc(st.blocks_stored - before[0])
-        m.blocks_removed.inc(st.blocks_removed - before[1])
-        m.orphan_blocks.inc(st.orphan_blocks - before[2])
+        for counter, now, then in (
+            (m.blocks_stored, st.blocks_stored, before[0]),
+            (m.blocks_removed, st.blocks_removed, before[1]),
+            (m.orphan_blocks, st.orphan_blocks, before[2]),
+        ):
+            if now != then:
+                counter.inc(now - then)
 
     def _learn_block_size(self, feed: Feed) -> None:
         size = feed.ingestor.block_size

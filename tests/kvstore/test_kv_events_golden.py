@@ -8,7 +8,16 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvstore.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    decode_batch_obj,
+)
+from kvstore.index import Add, Remove
+from kvstore.ingest import Ingestor
 from kvstore.store import KVStore
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv_events"
@@ -109,3 +118,37 @@ async def test_lora_name_in_events_matches_lookups_for_that_adapter() -> None:
     assert (await store.lookup(None, token_ids=tokens)).matches == []
     res = await store.lookup(None, token_ids=tokens, lora_name="sql-adapter", cache_salt="tenant-7")
     assert [m.matched_tokens for m in res.matches] == [16]
+
+
+def test_map_batches_decode_alike_typed_and_through_the_general_path() -> None:
+    payload = (FIXTURES / "vllm_map_batch.bin").read_bytes()
+    assert decode_batch(payload) == decode_batch_obj(msgpack.unpackb(payload, raw=False))
+
+
+def test_a_map_batch_with_an_unknown_event_type_keeps_its_known_events() -> None:
+    removed = {"type": "BlockRemoved", "block_hashes": [5], "medium": "GPU"}
+    payload = msgpack.packb([1.0, [{"type": "BlockPinned", "block_hashes": [4]}, removed]])
+    assert decode_batch(payload).events == [BlockRemoved([5], "GPU")]
+
+
+def test_removals_in_a_row_become_one_remove_and_keep_their_place_among_stores() -> None:
+    ing = Ingestor(E)
+    tokens = list(range(64))
+    first = EventBatch(0.0, [BlockStored([1, 2, 3], None, tokens[:48], 16, medium="GPU")])
+    (added,) = ing.ops(first)
+    assert isinstance(added, Add)
+    k1, k2, k3 = added.keys
+    batch = EventBatch(
+        0.0,
+        [
+            BlockRemoved([3], "GPU"),
+            BlockRemoved([2], "GPU"),
+            BlockRemoved([99], "GPU"),  # never stored: nothing to remove
+            BlockStored([4], 1, tokens[16:32], 16, medium="GPU"),
+            BlockRemoved([1], "GPU"),
+        ],
+    )
+    ops = ing.ops(batch)
+    assert [type(op) for op in ops] == [Remove, Add, Remove]
+    assert ops[0].keys == [k3, k2] and ops[2].keys == [k1]
+    assert ing.stats.blocks_removed == 3
