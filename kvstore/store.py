@@ -417,7 +417,7 @@ class KVStore:
         if self._ctx is None:
             self._ctx = ZmqContext()
         feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
-        sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up)
+        sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up, self.take_frame)
         self._subscribers[endpoint] = sub
         if self._started and not self.events_from_sibling:
             sub.start()
@@ -605,7 +605,36 @@ class KVStore:
         await self._guard("apply", lambda: self.index.apply(ops))
         self.metrics.blocks_stored.inc(sum(len(op.keys) for op in ops if isinstance(op, Add)))
 
+    def take_frame(self, feed: Feed, seq: int, payload: bytes) -> bool:
+        """Apply a live frame on the caller's stack when nothing in it can suspend: the
+        next of its feed, to a memory index, with no rewrite of the feed under way. False
+        leaves it to ``_on_frame`` (gaps, restarts, duplicates, undecodable frames, Redis)."""
+        index = self.index
+        last = feed.last_seq
+        if not isinstance(index, MemoryIndex) or last is None or seq != last + 1:
+            return False
+        if self.degraded or feed.catching_up or feed.lock.locked():
+            return False
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError:
+            return False
+        ops, before = self._ops(feed, batch)
+        if ops:
+            index.apply_sync(ops)
+        self._applied(feed, ops, before)
+        feed.last_seq = seq
+        return True
+
     async def _apply(self, feed: Feed, batch: EventBatch) -> None:
+        async with feed.lock:
+            ops, before = self._ops(feed, batch)
+            if ops:
+                await self._guard("apply", lambda: self.index.apply(ops))
+        self._applied(feed, ops, before)
+
+    def _ops(self, feed: Feed, batch: EventBatch) -> tuple[list[Op], tuple[int, int, int]]:
+        """The batch's index operations, and the feed's block counts before them."""
         st = feed.ingestor.stats
         before = (st.blocks_stored, st.blocks_removed, st.orphan_blocks)
         m = self.metrics
@@ -614,13 +643,13 @@ class KVStore:
         if batch.ts:
             feed.last_ts = batch.ts
             m.child(m.lag, feed.instance).set(max(0.0, time.time() - batch.ts))
-        async with feed.lock:
-            ops = feed.ingestor.ops(batch)
-            if ops:
-                await self._guard("apply", lambda: self.index.apply(ops))
+        return feed.ingestor.ops(batch), before
+
+    def _applied(self, feed: Feed, ops: list[Op], before: tuple[int, int, int]) -> None:
         self._learn_block_size(feed)
         if ops and self.on_ops is not None:
             self.on_ops(feed.instance, feed.ingestor.block_size, ops)
+        st, m = feed.ingestor.stats, self.metrics
         for counter, now, then in (
             (m.blocks_stored, st.blocks_stored, before[0]),
             (m.blocks_removed, st.blocks_removed, before[1]),

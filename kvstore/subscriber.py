@@ -24,6 +24,7 @@ from switchyard.zmtp import subscribe
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
 Handler = Callable[[Feed, int, bytes], Awaitable[None]]
+Taker = Callable[[Feed, int, bytes], bool]
 CatchUp = Callable[[Feed], Awaitable[None]]
 
 
@@ -58,13 +59,18 @@ class Subscriber:
         feed: Feed,
         on_frame: Handler,
         catch_up: CatchUp | None = None,
+        take: Taker | None = None,
     ) -> None:
         """``catch_up`` runs once the SUB socket is connected, before live frames are read
-        (what arrives meanwhile waits in the socket)."""
+        (what arrives meanwhile waits in the socket). ``take`` is offered each live frame
+        as it is read, once the first has been handled; what it declines goes to
+        ``on_frame``."""
         self._ctx = ctx
         self.feed = feed
         self._on_frame = on_frame
         self._catch_up = catch_up
+        self._take_frame = take
+        self._live = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -81,7 +87,8 @@ class Subscriber:
 
     async def _run(self) -> None:
         assert self.feed.endpoint is not None
-        stream = subscribe(self.feed.endpoint)
+        self._live = False
+        stream = subscribe(self.feed.endpoint, self._take if self._take_frame else None)
         # Connecting starts with the first read; what arrives while catching up waits.
         first = asyncio.ensure_future(anext(stream))
         try:
@@ -91,6 +98,7 @@ class Subscriber:
                 except Exception:
                     log.exception("%s: catching up failed", self.feed.instance)
             await self._handle(await first)
+            self._live = True
             async for frames in stream:
                 await self._handle(frames)
         finally:
@@ -98,6 +106,16 @@ class Subscriber:
                 first.cancel()
                 await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()
+
+    def _take(self, frames: list[bytes]) -> bool:
+        if not self._live or len(frames) < 2:
+            return False
+        assert self._take_frame is not None
+        try:
+            return self._take_frame(self.feed, decode_seq(frames[-2]), frames[-1])
+        except Exception:
+            log.exception("%s: event handling failed", self.feed.instance)
+            return True
 
     async def _handle(self, frames: list[bytes]) -> None:
         if len(frames) < 2:

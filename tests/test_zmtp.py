@@ -186,3 +186,34 @@ def test_an_endpoint_that_is_neither_tcp_nor_ipc_is_refused() -> None:
 
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         asyncio.run(first())
+
+
+async def test_messages_taken_on_arrival_are_not_yielded_and_all_keep_their_order(
+    ctx: zmq.Context,
+) -> None:
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    handled: list[list[bytes]] = []  # taken or yielded, in the order it happened
+    taken: list[list[bytes]] = []
+
+    def take(frames: list[bytes]) -> bool:
+        if frames[0] != b"even":
+            return False
+        taken.append(frames)
+        handled.append(frames)
+        return True
+
+    stream = zmtp.subscribe(f"tcp://127.0.0.1:{port}", take)
+    assert await until_received(pub, stream) == [b"fence"]
+    sent = [[b"even" if i % 2 == 0 else b"odd", str(i).encode()] for i in range(100)]
+    for frames in sent:
+        pub.send_multipart(frames)
+    pub.send_multipart([b"last"])
+    async with asyncio.timeout(5):
+        while (got := await anext(stream)) != [b"last"]:
+            assert got not in taken
+            handled.append(got)
+    assert taken[0] == sent[0]  # it came to an empty queue
+    # An even message behind a queued odd one waits its turn in the queue, not in take.
+    assert handled == sent
+    await stream.aclose()
