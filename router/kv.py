@@ -233,12 +233,9 @@ class EmbeddedPrefixes:
         messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
         if messages is not None:
             # Earlier turns come from the message cache: at most a turn's new text is left.
-            # A lone new message is probed by its head like a long one: the whole of it
-            # was most of a Mooncake request's schedule time (2026-12-05).
             new_chars = tok.uncached_chars(messages)
             if new_chars is not None and new_chars <= OFFLOAD_CHARS:
-                if len(messages) > 1 or not new_chars:
-                    return await self._probe_chat(tok, messages, salt, candidates)
+                return await self._probe_chat(tok, messages, salt, candidates)
         text = tok.render_chat(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
             return None
