@@ -236,7 +236,7 @@ class EmbeddedPrefixes:
             new_chars = tok.uncached_chars(messages)
             if new_chars is not None and new_chars <= OFFLOAD_CHARS:
                 return await self._probe_chat(tok, messages, salt, candidates)
-        text = tok.render_chat(messages) if messages is not None else text_prompt
+        text = tok.chat_text(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
             return None
         smallest = min(store.block_size_of(c) for c in candidates) if candidates else 0

@@ -108,6 +108,54 @@ def test_a_template_grouping_tool_results_goes_incremental_for_plain_chats_only(
     assert tok.encode_chat(tools) == _full(tok, tools)
 
 
+def test_plain_messages_of_a_verbatim_template_are_framed_without_rendering() -> None:
+    tok = _ours()
+    tok.encode_chat(_chat(1))  # learns the frames of the roles it meets
+    messages = _chat(4)[:-1]
+    expected = _full(tok, messages)
+    renders = 0
+    render = tok.render_chat
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        nonlocal renders
+        renders += 1
+        return render(*args, **kwargs)
+
+    tok.render_chat = counted  # type: ignore[method-assign]
+    assert tok.encode_chat(messages) == expected
+    assert renders == 0
+
+
+def test_a_template_trimming_content_is_rendered_not_framed() -> None:
+    # As Llama 3's template: content | trim.
+    tok = _with_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert tok.incremental
+    messages = [*_chat(1), {"role": "user", "content": "  padded question  \n"}]
+    assert tok.encode_chat(messages) == _full(tok, messages)
+
+
+def test_a_template_rewriting_one_role_frames_the_others_only() -> None:
+    # As Qwen3's template: an assistant's thinking is cut from its content.
+    tok = _with_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}{{ m['content'].split('</think>')[-1] }}"
+        "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert tok.incremental
+    messages = [
+        *_chat(1),
+        {"role": "assistant", "content": "<think>long thought</think>Short answer."},
+        {"role": "user", "content": "<think>not an assistant</think>kept whole"},
+    ]
+    assert tok.encode_chat(messages) == _full(tok, messages)
+    assert tok._frames[("user", False)] is not None
+    assert tok._frames[("assistant", False)] is None
+
+
 def test_a_template_without_special_tokens_between_messages_falls_back() -> None:
     tok = _with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     assert not tok.incremental
@@ -227,3 +275,11 @@ def test_incremental_ids_equal_full_render_ids_on_random_conversations(
     messages: list[dict[str, Any]], agp: bool
 ) -> None:
     assert _INCREMENTAL.encode_chat(messages, agp) == _full(_INCREMENTAL, messages, agp)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_message, min_size=1, max_size=8))
+def test_a_chat_joined_from_its_segments_is_the_full_render(
+    messages: list[dict[str, Any]],
+) -> None:
+    assert _INCREMENTAL.chat_text(messages) == _INCREMENTAL.render_chat(messages)
