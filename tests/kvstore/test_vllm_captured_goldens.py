@@ -17,7 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from balancer.scrape import parse_metrics
 from kvstore.discovery import parse_sources
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from kvstore.events import (
+    _MAP_BATCH,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_batch,
+    decode_batch_obj,
+)
 from kvstore.store import KVStore
 from kvstore.tokenize import RoutingTokenizer
 from mockengine.settings import DEFAULT_TOKENIZER
@@ -37,6 +44,12 @@ def test_every_captured_frame_decodes_and_seqs_count_up_by_one() -> None:
     seqs = [int.from_bytes(seq, "big") for _, seq, _ in FRAMES]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     assert all(decode_batch(payload).events for _, _, payload in FRAMES)
+
+
+def test_the_engines_frames_take_the_typed_decoder_and_agree_with_the_general_one() -> None:
+    for _, _, payload in FRAMES:
+        typed = _MAP_BATCH.decode(payload)  # raises if vLLM's shape left the fast path
+        assert typed == decode_batch_obj(msgpack.unpackb(payload, raw=False))
 
 
 def test_block_stored_carries_the_engines_block_size() -> None:
