@@ -247,8 +247,8 @@ async def subscribe(endpoint: str, take: Take | None = None) -> AsyncGenerator[l
 
     ``take``, when given, is offered each message as it is read, on the protocol's
     callback, while none waits to be yielded; what it takes (returns True for) is not
-    yielded. It must not raise. A message handled there costs no task switch: on the
-    Mooncake replay's event frames, about a third of their handling (2026-12-05)."""
+    yielded. It must not raise. A message handled there costs no task switch and no
+    future (offline, 2026-12-04: 72 / 69 -> 47 / 60 us a KV-event frame)."""
     delay = RECONNECT_S
     while True:
         try:
