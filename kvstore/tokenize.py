@@ -125,6 +125,7 @@ _FRAME_PROBES = (
     "ünïcødé 😀",
 )
 _KEYS_HELD = 1024  # messages whose keys are remembered (about 50 chats of 20 messages)
+_KEYS_HELD_CHARS = 4_000_000  # and the most content they may keep alive
 _MAX_FRAMES = 64  # roles are a handful; past this many, a new role is rendered
 
 
@@ -299,6 +300,7 @@ class RoutingTokenizer:
         # id(message) -> (message, first, key): a request's messages are keyed once,
         # though the probe, the lookup and the warm-up each walk them.
         self._keys: dict[int, tuple[Any, bool, bytes | None]] = {}
+        self._keys_chars = 0  # of the contents those entries keep alive
         self._executor: ThreadPoolExecutor | None = None
         self._queued = 0
         self._fast: Encoder | None = None  # tiktoken, where it gives the tokenizer's ids
@@ -449,9 +451,13 @@ class RoutingTokenizer:
         if held is not None and held[0] is message and held[1] is first:
             return held[2]
         key = _message_key(message, first)
-        if len(self._keys) >= _KEYS_HELD:
+        content = message.get("content") if isinstance(message, dict) else None
+        size = len(content) if isinstance(content, str) else 0
+        if len(self._keys) >= _KEYS_HELD or self._keys_chars + size > _KEYS_HELD_CHARS:
             self._keys.clear()
+            self._keys_chars = 0
         self._keys[id(message)] = (message, first, key)
+        self._keys_chars += size
         return key
 
     def render_chat(

@@ -156,6 +156,14 @@ def test_a_template_rewriting_one_role_frames_the_others_only() -> None:
     assert tok._frames[("assistant", False)] is None
 
 
+def test_remembered_message_keys_keep_a_bounded_amount_of_content_alive() -> None:
+    tok = _ours()
+    big = [{"role": "user", "content": str(i) * 1_000_000} for i in range(10)]
+    assert tok.uncached_chars(big) is not None
+    held = sum(len(entry[0]["content"]) for entry in tok._keys.values())
+    assert 0 < held <= 4_000_000
+
+
 def test_a_template_without_special_tokens_between_messages_falls_back() -> None:
     tok = _with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     assert not tok.incremental
