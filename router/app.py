@@ -158,13 +158,9 @@ class RouterApp:
         )
         self._routes = {route: route for route in DATA_ROUTES}
         self.draining = False  # shutting down: /ready answers 503 while requests finish
-        # The serving loop, so a request finds its task without asyncio.get_running_loop()
-        # (a getpid system call on Python 3.11; the one left a request, 2026-12-05).
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.control = build_control_app(self)
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         if METRICS_DIR_ENV in os.environ:  # one of several processes: metric files to write
             flush_metric_files_on(asyncio.get_running_loop())
         if self.siblings is not None:
@@ -262,7 +258,7 @@ class RouterApp:
             forward_headers["authorization"] = self.worker_authorization
         response = _Response(send, scope.get("extensions", {}).get(STREAM_WRITER))
         status, worker_id = 500, "none"
-        task = asyncio.current_task(self._loop) or asyncio.current_task()
+        task = asyncio.current_task()
         tenant: str | None = None
         admitted = False
         try:
