@@ -49,7 +49,6 @@ class StoredTokens:
 
 
 RECENT_STORED = 256
-_UNSET = object()
 
 
 def cache_salt_of(event: BlockStored) -> str | None:
@@ -144,7 +143,7 @@ class Ingestor:
         st.events += len(batch.events)
         out: list[Op] = []
         removed: list[int] | None = None  # the keys of the Remove last appended to ``out``
-        medium: object = _UNSET  # of the removals in a row, whose hash map ``pop`` is
+        medium: str | None = None  # of the removals in a row, whose hash map ``pop`` is
         pop: Callable[[EngineHash, None], int | None] | None = None
         tier = ""
         n_removed = 0
