@@ -320,12 +320,16 @@ class Forwarder:
                 return b""
             self._first_token(ttft, clocks, ticket, expected, ctx, rank)
             await send({"type": "http.response.body", "body": first, "more_body": True})
-            # Each chunk goes through ``send``. The server's piece writer (``Response.pipe``)
-            # is not offered: with it, an abandoned stream went on in a real vLLM until its
-            # end in 4 runs of 6 of tests/real/test_real_engine_state.py, against 0 of 4
-            # without it (2026-12-05); to be fixed before it is offered again.
+            # The app's send offers the server's piece writer (``router.app._Response``);
+            # a getattr, not an isinstance of a runtime-checkable Protocol, which py-spy
+            # showed on the request path (typing._get_protocol_attrs, 2026-12-05).
+            offered = getattr(send, "stream_writer", None)
             tail = await self.relay.stream(
-                resp, send, first, lambda n: self.fleet.progress(ticket, n)
+                resp,
+                send,
+                first,
+                lambda n: self.fleet.progress(ticket, n),
+                offered() if offered is not None else None,
             )
             await send({"type": "http.response.body", "body": b""})
             return tail

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from tests.router.conftest import StartRouter
+from tests.router.starlette_engine import StarletteEngine
 from tests.router.stub_backend import StubBackend
 
 pytestmark = pytest.mark.timeout(60)
 
 BODY = {"model": "stub-model", "prompt": "hi"}
+STREAM_REQUEST = (
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b"Content-Length: 55\r\n\r\n"
+    b'{"model": "stub-model", "prompt": "hi", "stream": true}'
+)
+
+
+@pytest.fixture
+def starlette_engine() -> Iterator[StarletteEngine]:
+    engine = StarletteEngine().start()
+    yield engine
+    engine.stop()
 
 
 def test_non_stream_body_is_passed_through(stub: StubBackend, start_router: StartRouter) -> None:
@@ -88,3 +102,27 @@ def test_client_disconnect_mid_stream_aborts_upstream_within_100ms(
         time.sleep(0.005)
     assert stub.state.disconnected_at, "the engine never saw the abort"
     assert stub.state.disconnected_at[0] - closed_at < 0.1
+
+
+def test_a_stream_abandoned_after_its_reader_stalled_is_aborted_in_the_engine(
+    starlette_engine: StarletteEngine, start_router: StartRouter
+) -> None:
+    # The reader stops for a second: the router's buffers to it fill, the relay pauses
+    # reading from the engine, and the engine blocks writing. The disconnect must still
+    # reach the engine's stream (on vLLM's HTTP stack) and cancel it.
+    router = start_router(starlette_engine.url)
+    sock = socket.create_connection(("127.0.0.1", router.port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.sendall(STREAM_REQUEST)
+    received = b""
+    while received.count(b"data:") < 3:
+        piece = sock.recv(100)
+        assert piece, received
+        received += piece
+    time.sleep(1.0)
+    sock.close()
+    deadline = time.monotonic() + 5
+    counts = starlette_engine.counts
+    while not counts.aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (counts.aborted, counts.finished) == (1, 0)
