@@ -157,6 +157,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
     @app.get("/metrics", summary="Prometheus metrics", dependencies=observers)
     async def metrics() -> Response:
         registry = router.metrics.registry
+        for sync in router.metrics.before_scrape:
+            sync()
         if METRICS_DIR_ENV in os.environ:
             # One of several processes, each writing its samples to files: sum them all,
             # whichever answers. The live gauges are the answering process's own view.

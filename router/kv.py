@@ -10,6 +10,7 @@ or a kvstore service (``RemotePrefixes``: one HTTP lookup per request).
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import Callable, Coroutine
@@ -23,7 +24,7 @@ from kvstore.keys import KeyCache
 from kvstore.remote import RemoteKVStore
 from kvstore.store import KVStore, LookupResult
 from kvstore.tokenize import CHARS_PER_TOKEN, OFFLOAD_CHARS, RoutingTokenizer
-from router.metrics import KVMetrics
+from router.metrics import METRICS_DIR_ENV, KVMetrics
 from router.parity import ParityMonitor
 from router.request import CHAT, COMPLETIONS, RoutedRequest
 from router.scheduler.framework import Context
@@ -42,6 +43,8 @@ TOKENS = b"tokens"  # sibling-bus topic: a chat message another process tokenize
 OPS = b"kvops"  # sibling-bus topic: index operations the engines' events became
 # How often a process whose sibling follows the engines' events tries to take that over.
 TAKE_OVER_S = 1.0
+# How far behind the cache counters of a process that is not answering /metrics may be.
+COUNTER_SYNC_S = 1.0
 _ADD, _REMOVE, _CLEAR = 0, 1, 2
 PROBE_CHARS = 512
 PROBE_GROWTH = 4
@@ -459,6 +462,8 @@ class KVAwareness:
         self.key_cache_hit = counters.key_cache_hit
         self.key_cache_miss = counters.key_cache_miss
         self._keys_seen = (0, 0)
+        self._syncing: asyncio.Task[None] | None = None
+        metrics.before_scrape.append(self.sync_counters)
 
     def has_events(self, worker: Worker) -> bool:
         return self.source.has_events(worker)
@@ -471,8 +476,16 @@ class KVAwareness:
         await self.source.start()
         if self.parity is not None:
             self.parity.start()
+        if METRICS_DIR_ENV in os.environ:  # the others' samples come from their metric files
+            self._syncing = asyncio.get_running_loop().create_task(
+                self._sync_counters_every(COUNTER_SYNC_S), name="kv:counter-sync"
+            )
 
     async def stop(self) -> None:
+        if self._syncing is not None:
+            self._syncing.cancel()
+            await asyncio.gather(self._syncing, return_exceptions=True)
+            self._syncing = None
         if self.parity is not None:
             await self.parity.stop()
         await self.source.stop()
@@ -501,9 +514,23 @@ class KVAwareness:
                 self.degraded.inc()
         ctx.set_prefix(result)
         ctx.cached_blocks = await self.source.occupancy()
-        if isinstance(self.source, EmbeddedPrefixes):
-            self._count_cache(self.source.store.tokenizer_for(req.model))
-            self._count_keys(self.source.store.key_cache)
+
+    def sync_counters(self) -> None:
+        """Move the tokenizer and block-key cache counters by what those caches counted
+        since the last sync: run before each /metrics, and every ``COUNTER_SYNC_S`` under
+        ``--processes``. Done on every request it cost 3.4% of the router's samples on
+        the fixed backend (py-spy, 2026-12-05: ``cache_stats`` built its dicts each time)."""
+        if not isinstance(self.source, EmbeddedPrefixes):
+            return
+        store = self.source.store
+        for tok in (store.tokenizer, *store.model_tokenizers.values()):
+            self._count_cache(tok)
+        self._count_keys(store.key_cache)
+
+    async def _sync_counters_every(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sync_counters()
 
     def _count_cache(self, tok: RoutingTokenizer) -> None:
         """Move the cache counters by what the tokenizer counted since the last request."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
@@ -155,6 +156,8 @@ class RouterMetrics(LabelCache):
         # the summed /metrics is built from the processes' metric files, which hold none of
         # these: it adds them from the answering process.
         self.live: list[Collector] = []
+        # Run before each /metrics: bring counters kept outside the registry up to date.
+        self.before_scrape: list[Callable[[], None]] = []
         r = self.registry
         self.requests = Counter(
             "switchyard_router_requests",

@@ -14,10 +14,11 @@ import openai
 import pytest
 
 from loadtest.prom import values
+from router.kv import COUNTER_SYNC_S
 from router.metrics import FLUSH_INTERVAL_S
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
-from tests.support import redis_server
+from tests.support import TOKENIZER_DIR, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,10 +33,14 @@ def router_processes(pid: int) -> list[int]:
     return [int(p) for p in out.split() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
-def complete_once(base_url: str) -> str:
+def complete_prompt(base_url: str, prompt: str) -> str:
     """One request on a connection of its own, so either process may accept it."""
     with openai.OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0) as client:
-        return client.completions.create(model="stub-model", prompt="hello", max_tokens=4).id
+        return client.completions.create(model="stub-model", prompt=prompt, max_tokens=4).id
+
+
+def complete_once(base_url: str) -> str:
+    return complete_prompt(base_url, "hello")
 
 
 def wait_all_ready(url: str, timeout_s: float = 30.0) -> None:
@@ -138,3 +143,30 @@ def test_a_process_that_dies_is_replaced_within_a_second(
     assert first[0] not in now and len(now) == 2
     wait_all_ready(router.url)
     assert complete_once(router.url) == "cmpl-stub"
+
+
+def test_each_process_tokenizer_cache_counts_reach_the_summed_metrics(
+    stub: StubBackend, start_router: StartRouter
+) -> None:
+    # The counters move at a scrape in the answering process and every COUNTER_SYNC_S in
+    # the others; each distinct prompt is one text piece, tokenized once where it landed.
+    # (No parity canaries: they are chats tokenized by the same caches.)
+    tokenizer = ("--tokenizer", str(TOKENIZER_DIR), "--no-kv-parity")
+    args = ("--processes", "2", "--policy", "kv_aware", *tokenizer)
+    router = start_router(stub.url, args=args)
+    wait_all_ready(router.url)
+    prompts = [f"prompt number {i}" for i in range(REQUESTS)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: complete_prompt(router.url, p), prompts))
+    # One kept-alive connection, as a Prometheus scraper keeps: one process answers every
+    # scrape, so the other's counts come from its own syncs.
+    deadline = time.monotonic() + 3 * COUNTER_SYNC_S + 10 * FLUSH_INTERVAL_S
+    with httpx.Client(base_url=router.url) as scraper:
+        while True:
+            metrics = scraper.get("/metrics").text
+            name = "switchyard_router_tokenize_cache_total"
+            misses = sum(values(metrics, name, outcome="miss"))
+            if misses == REQUESTS or time.monotonic() > deadline:
+                break
+            time.sleep(FLUSH_INTERVAL_S)
+    assert misses == REQUESTS
