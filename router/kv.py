@@ -533,7 +533,7 @@ class KVAwareness:
             self.sync_counters()
 
     def _count_cache(self, tok: RoutingTokenizer) -> None:
-        """Move the cache counters by what the tokenizer counted since the last request."""
+        """Move the cache counters by what the tokenizer counted since the last sync."""
         seen = self._cache_seen
         for kind, (hits, misses) in tok.cache_stats["by_kind"].items():
             for outcome, total in (("hit", hits), ("miss", misses)):
@@ -544,7 +544,7 @@ class KVAwareness:
                     self.tokenize_cache.labels(kind, outcome).inc(delta)
 
     def _count_keys(self, cache: KeyCache) -> None:
-        """Move the block-key cache counters by what it counted since the last request."""
+        """Move the block-key cache counters by what it counted since the last sync."""
         hits, misses = self._keys_seen
         if cache.hits != hits:
             self.key_cache_hit.inc(cache.hits - hits)

@@ -65,7 +65,7 @@ def test_the_cache_keeps_within_its_byte_bound_dropping_the_oldest_segments() ->
     assert cache.hits == 0, "the first segments went out first"
 
 
-def test_block_key_counters_move_by_what_the_cache_counted_since_the_last_request() -> None:
+def test_block_key_counters_move_by_what_the_cache_counted_since_the_last_sync() -> None:
     registry = CollectorRegistry()
     metrics = KVMetrics(registry)
     owner = SimpleNamespace(

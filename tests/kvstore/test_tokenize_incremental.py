@@ -210,7 +210,7 @@ def test_long_text_tokenized_in_the_thread_gives_the_same_ids_in_request_order()
     tok.close()
 
 
-def test_cache_counters_move_by_what_the_tokenizer_counted_since_the_last_request() -> None:
+def test_cache_counters_move_by_what_the_tokenizer_counted_since_the_last_sync() -> None:
     registry = CollectorRegistry()
     owner = SimpleNamespace(tokenize_cache=KVMetrics(registry).tokenize_cache, _cache_seen={})
     tok = _ours()
