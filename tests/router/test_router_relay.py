@@ -16,10 +16,10 @@ from tests.router.stub_backend import StubBackend
 pytestmark = pytest.mark.timeout(60)
 
 BODY = {"model": "stub-model", "prompt": "hi"}
+STREAM_PAYLOAD = b'{"model": "stub-model", "prompt": "hi", "stream": true}'
 STREAM_REQUEST = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-    b"Content-Length: 55\r\n\r\n"
-    b'{"model": "stub-model", "prompt": "hi", "stream": true}'
+    b"Content-Length: %d\r\n\r\n%s" % (len(STREAM_PAYLOAD), STREAM_PAYLOAD)
 )
 
 
@@ -85,13 +85,8 @@ def test_client_disconnect_mid_stream_aborts_upstream_within_100ms(
 ) -> None:
     stub.state.chunk_interval_s = 0.005
     router = start_router(stub.url)
-    payload = b'{"model": "stub-model", "prompt": "hi", "stream": true}'
-    request = (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
-    )
     sock = socket.create_connection(("127.0.0.1", router.port))
-    sock.sendall(request)
+    sock.sendall(STREAM_REQUEST)
     received = b""
     while received.count(b"data:") < 5:
         received += sock.recv(65536)
