@@ -9,9 +9,13 @@ process, with the message cache on and off, alternating; ``--ingest`` times KV-e
 batches applied by the store (each one holds the event loop while it runs); ``--idle``
 prints each router's CPU with no traffic (probes, scrapes, event feeds), which every
 replay's CPU-seconds include; ``--siblings`` what the bus between a router's processes
-costs per counts sync and per shared placement. Usage::
+costs per counts sync and per shared placement. ``--against REV`` also runs each of our
+router configs from a worktree of git revision REV, in the same alternation, for a
+before/after pair on one fleet. CPU is split into user (the router's own code) and system
+time (mostly socket calls, which any router makes). Usage::
 
     python -m bench.router_cpu [multiturn mooncake] [--requests 300] [--repeats 2]
+        [--routers kv_aware@1 round_robin@1 smg:cache_aware ...] [--against REV]
     python -m bench.router_cpu --idle [--idle-s 20]
     python -m bench.router_cpu --micro [--requests 600]
     python -m bench.router_cpu --ingest [--requests 2000]
@@ -29,15 +33,17 @@ import statistics
 import sys
 import time
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 from bench.compare_routing import MULTITURN, SCENARIOS
+from bench.fixed_backend_cpu import worktree
 from loadtest.client import Result, replay
 from loadtest.compare import MODEL, run_order
 from loadtest.fleet import MockFleet
 from loadtest.metrics import percentile
-from loadtest.procs import cpu_seconds
+from loadtest.procs import cpu_times
 from loadtest.prom import samples
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
@@ -97,12 +103,14 @@ class Row:
     repeat: int
     ok: int
     cpu_s: float
+    sys_s: float
     ttft_ms: list[float]
     buckets: dict[float, float]
     later: dict[float, float]  # turns >= 2 of chats
 
     def line(self) -> str:
         per_k = self.cpu_s / self.ok * 1000 if self.ok else float("nan")
+        sys_k = self.sys_s / self.ok * 1000 if self.ok else float("nan")
         p50, p90 = (percentile(self.ttft_ms, q) for q in (50, 90))
         s50, s90 = (bucket_quantile(self.buckets, q) for q in (0.5, 0.9))
         sched = "n/a" if s50 is None else f"≤{s50 * 1e3:g} / ≤{(s90 or 0) * 1e3:g}"
@@ -110,8 +118,9 @@ class Row:
         if l50 is not None:
             sched += f"; turns ≥ 2: ≤{l50 * 1e3:g}"
         return (
-            f"{self.workload:>9} {self.router:>16} {self.repeat + 1:>3} {self.ok:>5} "
-            f"{self.cpu_s:>7.2f} {per_k:>9.2f} {p50 or 0:>8.1f} {p90 or 0:>8.1f}  {sched}"
+            f"{self.workload:>9} {self.router:>22} {self.repeat + 1:>3} {self.ok:>5} "
+            f"{self.cpu_s:>7.2f} {per_k:>9.2f} {per_k - sys_k:>7.2f} {sys_k:>6.2f} "
+            f"{p50 or 0:>8.1f} {p90 or 0:>8.1f}  {sched}"
         )
 
 
@@ -119,13 +128,14 @@ def one_run(fleet: MockFleet, spec: RouterSpec, workload: Workload, repeat: int)
     fleet.reset()
     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
         time.sleep(0.5)
-        before = cpu_seconds(router.proc.pid)
+        user0, sys0 = cpu_times(router.proc.pid)
         results: list[Result] = asyncio.run(replay(router.url, workload, MODEL))
-        cpu = cpu_seconds(router.proc.pid) - before
+        user1, sys1 = cpu_times(router.proc.pid)
         buckets, later = schedule_buckets(router.url)
     ttft = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     ok = sum(r.ok for r in results)
-    return Row(workload.name, spec.label, repeat, ok, cpu, ttft, buckets, later)
+    cpu, system = user1 - user0 + sys1 - sys0, sys1 - sys0
+    return Row(workload.name, spec.label, repeat, ok, cpu, system, ttft, buckets, later)
 
 
 def idle_bench(args: argparse.Namespace) -> None:
@@ -138,9 +148,9 @@ def idle_bench(args: argparse.Namespace) -> None:
                 try:
                     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
                         time.sleep(2.0)
-                        before = cpu_seconds(router.proc.pid)
+                        before = sum(cpu_times(router.proc.pid))
                         time.sleep(args.idle_s)
-                        cpu = cpu_seconds(router.proc.pid) - before
+                        cpu = sum(cpu_times(router.proc.pid)) - before
                 except Unavailable as exc:
                     print(f"{spec.label}: not available ({exc})", file=sys.stderr)
                     continue
@@ -167,6 +177,14 @@ def histogram_lines(rows: list[Row]) -> list[str]:
 
 def replay_bench(args: argparse.Namespace) -> None:
     specs = [RouterSpec.parse(r) for r in args.routers]
+    with ExitStack() as stack:
+        if args.against:
+            code = worktree(stack, args.against)
+            specs += [s.run_from(code, args.against) for s in specs if s.kind == "switchyard"]
+        replay_runs(args, specs)
+
+
+def replay_runs(args: argparse.Namespace, specs: list[RouterSpec]) -> None:
     rows: list[Row] = []
     for name in args.workloads:
         workload = workload_for(name, args.requests, args.seed)
@@ -183,7 +201,8 @@ def replay_bench(args: argparse.Namespace) -> None:
                     print(row.line(), flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(
-        f"{'workload':>9} {'router':>16} {'run':>3} {'ok':>5} {'cpu_s':>7} {'cpu/1k':>9} "
+        f"{'workload':>9} {'router':>22} {'run':>3} {'ok':>5} {'cpu_s':>7} {'cpu/1k':>9} "
+        f"{'user':>7} {'sys':>6} "
         f"{'ttft_p50':>8} {'ttft_p90':>8}  schedule p50 / p90; turns ≥ 2 p50 (ms, bucket bounds)"
     )
     for row in rows:
@@ -200,7 +219,7 @@ def replay_bench(args: argparse.Namespace) -> None:
                 if r.workload == name and r.ok and r.router == spec.label
             ]
             if per_k:
-                print(f"{name:>9} {spec.label:>16} {statistics.median(per_k):8.2f}")
+                print(f"{name:>9} {spec.label:>22} {statistics.median(per_k):8.2f}")
 
 
 async def _lookup_times(workload: Workload, incremental: bool) -> dict[str, list[float]]:
@@ -392,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--speed", type=float, default=10.0, help="mock engine speed-up")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--against", help="also run our routers from this git revision")
     ap.add_argument("--micro", action="store_true", help="schedule lookup per turn, in-process")
     ap.add_argument("--ingest", action="store_true", help="KV-event ingestion cost, in-process")
     ap.add_argument("--idle", action="store_true", help="each router's CPU with no traffic")

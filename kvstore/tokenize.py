@@ -64,8 +64,12 @@ _TOKEN_BYTES = 36
 # What a message's role and delimiters add to its content, about (in characters).
 _FRAME_CHARS = 16
 _ENTRY_BYTES = 240
-_NEWLINE_CUT = re.compile(r"(?<=\S)\n(?=\S)")
-_SPACE_CUT = re.compile(r"(?<=\S) (?=[^\W\d_])")
+# A newline between two non-spaces; a space after a non-space and before a letter. Each
+# pattern starts with its literal so ``re`` scans for it at memchr speed; led by the
+# lookbehind it tried every position: 78 against 7 us to cut a Mooncake message of
+# 6,400 characters (2026-12-05).
+_NEWLINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")
+_SPACE_CUT = re.compile(r" (?<=\S )(?=[^\W\d_])")
 _PROBES = (
     "Hello world.\nSecond line, with words.\n\nThird paragraph: 42 apples\n  indented\nend",
     "def f(x):\n    return x + 1\n# comment\nclass A:\n    pass\n",

@@ -14,7 +14,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import IO
 
 from loadtest.fleet import Engine
@@ -35,6 +36,13 @@ class RouterSpec:
     kind: str  # "switchyard" or "smg"
     policy: str
     processes: int | None = None  # ours: --processes (None: its default)
+    code: Path | None = None  # ours: run from this checkout instead of the installed one
+
+    def run_from(self, code: Path, name: str) -> RouterSpec:
+        """This config of ours run from the checkout ``code``, labelled with ``name``."""
+        if self.kind != "switchyard":
+            raise ValueError(f"{self.label} is not a Switchyard router")
+        return replace(self, label=f"{self.label} {name}", code=code)
 
     @classmethod
     def parse(cls, text: str) -> RouterSpec:
@@ -60,7 +68,9 @@ class RouterSpec:
                 "--policy", self.policy, "--host", "127.0.0.1", "--port", str(port),
                 "--prometheus-port", str(free_port_block(1)), "--log-level", "error",
             ]  # fmt: skip
-        args = [sys.executable, "-m", "switchyard", "router", "--host", "127.0.0.1"]
+        # -P: the working directory's checkout must not shadow ``code`` (PYTHONPATH).
+        safe = ["-P"] if self.code is not None else []
+        args = [sys.executable, *safe, "-m", "switchyard", "router", "--host", "127.0.0.1"]
         args += ["--port", str(port), "--policy", self.policy, "--log-level", "warning"]
         if self.processes is not None:
             args += ["--processes", str(self.processes)]
@@ -123,6 +133,8 @@ def start_router(
     command = spec.command(engines, port, tokenizer)
     log = tempfile.TemporaryFile()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if spec.code is not None:
+        env["PYTHONPATH"] = str(spec.code)
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     router = RunningRouter(spec, f"http://127.0.0.1:{port}", proc, log)
     try:

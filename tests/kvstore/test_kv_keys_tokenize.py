@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, processors
 
 from kvstore.keys import block_keys, key_extra
-from kvstore.tokenize import RoutingTokenizer
+from kvstore.tokenize import _NEWLINE_CUT, _SPACE_CUT, RoutingTokenizer
 from tests.support import TOKENIZER_DIR
 
 
@@ -72,6 +74,16 @@ def test_cached_pieces_give_exactly_the_uncached_ids(tok: RoutingTokenizer) -> N
         msgs = [{"role": "system", "content": system}, {"role": "user", "content": question}]
         assert tok.encode_chat(msgs) == raw.encode_chat(msgs)
     assert tok.cut_pieces and tok.cache_stats["hits"] > 0
+
+
+@given(st.text(alphabet=" \n\tab1_é.", max_size=120))
+def test_cuts_fall_after_a_non_space_before_a_non_space_or_a_letter(text: str) -> None:
+    blank = " \n\t"
+    after_word = [i for i in range(1, len(text) - 1) if text[i - 1] not in blank]
+    newlines = [i for i in after_word if text[i] == "\n" and text[i + 1] not in blank]
+    spaces = [i for i in after_word if text[i] == " " and text[i + 1].isalpha()]
+    assert [m.start() for m in _NEWLINE_CUT.finditer(text)] == newlines
+    assert [m.start() for m in _SPACE_CUT.finditer(text)] == spaces
 
 
 def test_approximate_mode_is_prefix_stable_and_says_so() -> None:
