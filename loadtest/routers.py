@@ -83,6 +83,13 @@ class RouterSpec:
                     args += ["--kv-events", f"{e.url}={e.kv_events}"]
         return args
 
+    def environ(self) -> dict[str, str]:
+        """The router's environment: ours imports from ``code`` when it is set."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.code is not None:
+            env["PYTHONPATH"] = str(self.code)
+        return env
+
     @property
     def ready_path(self) -> str:
         return "/readiness" if self.kind == "smg" else "/ready"
@@ -132,10 +139,7 @@ def start_router(
     port = port or free_port_block(1)
     command = spec.command(engines, port, tokenizer)
     log = tempfile.TemporaryFile()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if spec.code is not None:
-        env["PYTHONPATH"] = str(spec.code)
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=spec.environ())
     router = RunningRouter(spec, f"http://127.0.0.1:{port}", proc, log)
     try:
         wait_http(router.url + spec.ready_path, timeout_s, proc, router.url + "/health")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,18 @@ def test_a_router_spec_may_set_our_process_count() -> None:
     assert command[command.index("--processes") + 1] == "1"
     with pytest.raises(ValueError, match="positive integer"):
         RouterSpec.parse("kv_aware@two")
+
+
+def test_a_router_run_from_another_checkout_imports_that_checkout(tmp_path: Path) -> None:
+    package = tmp_path / "switchyard"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    spec = RouterSpec.parse("kv_aware@1").run_from(tmp_path, "HEAD~1")
+    command = spec.command([], 8000, "tok")
+    python, *flags = command[: command.index("-m")]
+    probe = "import switchyard; print(switchyard.__file__)"
+    out = subprocess.run(
+        [python, *flags, "-c", probe], env=spec.environ(), capture_output=True, text=True
+    )
+    assert spec.label == "kv_aware@1 HEAD~1"
+    assert out.stdout.strip() == str(package / "__init__.py")
