@@ -43,7 +43,7 @@ from loadtest.client import Result, replay
 from loadtest.compare import MODEL, run_order
 from loadtest.fleet import MockFleet
 from loadtest.metrics import percentile
-from loadtest.procs import cpu_times
+from loadtest.procs import cpu_seconds, cpu_times
 from loadtest.prom import samples
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload
@@ -148,9 +148,9 @@ def idle_bench(args: argparse.Namespace) -> None:
                 try:
                     with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
                         time.sleep(2.0)
-                        before = sum(cpu_times(router.proc.pid))
+                        before = cpu_seconds(router.proc.pid)
                         time.sleep(args.idle_s)
-                        cpu = sum(cpu_times(router.proc.pid)) - before
+                        cpu = cpu_seconds(router.proc.pid) - before
                 except Unavailable as exc:
                     print(f"{spec.label}: not available ({exc})", file=sys.stderr)
                     continue
