@@ -16,40 +16,21 @@ with ``python -P`` so that it imports its own code, not this checkout's.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
 from bench.overhead import fixed_backend, process, router_argv, run_wrk, smg_router
-from loadtest.procs import REPO, Server, cpu_seconds, free_port
-
-
-def worktree(stack: ExitStack, rev: str) -> Path:
-    """``rev`` checked out in a temporary directory, removed at the end."""
-    parent = Path(tempfile.mkdtemp(prefix="sy-against-"))
-    stack.callback(shutil.rmtree, parent, ignore_errors=True)
-    path = parent / "tree"
-    subprocess.run(
-        ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), rev], check=True
-    )
-    stack.callback(
-        subprocess.run,
-        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-        check=False,
-    )
-    return path
+from loadtest.procs import REPO, Server, cpu_seconds, free_port, python_from, worktree
 
 
 def router(code: Path, backend: str) -> Server:
     port = free_port()
-    argv = router_argv(backend, port)
-    env = dict(os.environ, PYTHONPATH=str(code))
-    return process([argv[0], "-P", *argv[1:]], port, "/ready", env=env)
+    python, env = python_from(code)
+    return process([*python, *router_argv(backend, port)[1:]], port, "/ready", env=env)
 
 
 def main() -> None:

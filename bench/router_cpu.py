@@ -38,12 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.compare_routing import MULTITURN, SCENARIOS
-from bench.fixed_backend_cpu import worktree
 from loadtest.client import Result, replay
 from loadtest.compare import MODEL, run_order
 from loadtest.fleet import MockFleet
 from loadtest.metrics import percentile
-from loadtest.procs import cpu_seconds, cpu_times
+from loadtest.procs import cpu_seconds, cpu_times, worktree
 from loadtest.prom import samples
 from loadtest.routers import RouterSpec, Unavailable, start_router
 from loadtest.workload import Workload

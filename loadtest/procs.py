@@ -14,9 +14,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
@@ -91,6 +92,33 @@ def cpu_times(pid: int) -> tuple[float, float]:
         user += int(fields[11])
         system += int(fields[12])
     return user * _TICK_S, system * _TICK_S
+
+
+def python_from(code: Path | None) -> tuple[list[str], dict[str, str]]:
+    """The interpreter command and environment that import Switchyard from the checkout
+    ``code`` (the installed one when None). ``-P`` keeps the working directory, this
+    checkout, from shadowing it on ``sys.path``."""
+    env = dict(os.environ)
+    if code is None:
+        return [sys.executable], env
+    env["PYTHONPATH"] = str(code)
+    return [sys.executable, "-P"], env
+
+
+def worktree(stack: ExitStack, rev: str) -> Path:
+    """``rev`` checked out in a temporary directory, removed when ``stack`` closes."""
+    parent = Path(tempfile.mkdtemp(prefix="sy-against-"))
+    stack.callback(shutil.rmtree, parent, ignore_errors=True)
+    path = parent / "tree"
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", str(path), rev], check=True
+    )
+    stack.callback(
+        subprocess.run,
+        ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+        check=False,
+    )
+    return path
 
 
 def free_port() -> int:

@@ -9,17 +9,15 @@ the reason it gave, instead of ending the whole comparison.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
 from loadtest.fleet import Engine
-from loadtest.procs import ProcessExited, free_port_block, kill_tree, wait_http
+from loadtest.procs import ProcessExited, free_port_block, kill_tree, python_from, wait_http
 from mockengine.settings import DEFAULT_TOKENIZER
 
 # Policies that read prefixes: they get the tokenizer and each engine's KV-event endpoint.
@@ -68,9 +66,8 @@ class RouterSpec:
                 "--policy", self.policy, "--host", "127.0.0.1", "--port", str(port),
                 "--prometheus-port", str(free_port_block(1)), "--log-level", "error",
             ]  # fmt: skip
-        # -P: the working directory's checkout must not shadow ``code`` (PYTHONPATH).
-        safe = ["-P"] if self.code is not None else []
-        args = [sys.executable, *safe, "-m", "switchyard", "router", "--host", "127.0.0.1"]
+        python, _ = python_from(self.code)
+        args = [*python, "-m", "switchyard", "router", "--host", "127.0.0.1"]
         args += ["--port", str(port), "--policy", self.policy, "--log-level", "warning"]
         if self.processes is not None:
             args += ["--processes", str(self.processes)]
@@ -85,9 +82,8 @@ class RouterSpec:
 
     def environ(self) -> dict[str, str]:
         """The router's environment: ours imports from ``code`` when it is set."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if self.code is not None:
-            env["PYTHONPATH"] = str(self.code)
+        _, env = python_from(self.code)
+        env["PYTHONUNBUFFERED"] = "1"
         return env
 
     @property
