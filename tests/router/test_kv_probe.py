@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from balancer.siblings import SiblingBus
-from kvstore.store import KVStore
+from kvstore.store import KVStore, LookupResult
 from kvstore.tokenize import RoutingTokenizer
 from router.kv import EmbeddedPrefixes
 from router.scheduler.framework import Context
@@ -57,6 +57,26 @@ def test_a_match_reaching_past_the_first_head_grows_the_probe() -> None:
 def test_a_prompt_matched_to_its_end_is_tokenized_whole() -> None:
     stopped, _, _ = probe_after_placing(WORDS[:3000], None, "a")
     assert not stopped
+
+
+def test_a_single_new_chat_message_is_probed_at_its_head() -> None:
+    """Below the length that goes to the tokenizer thread, too (the Mooncake trace's
+    prompts are one message each, most of them under it)."""
+    message = [{"role": "user", "content": WORDS[:3000]}]
+
+    async def run() -> tuple[LookupResult | None, int]:
+        store = KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR))
+        # Tokenized by another store: this one has not seen the message.
+        other = KVStore(block_size=16, tokenizer=RoutingTokenizer.from_dir(TOKENIZER_DIR))
+        tokens, _ = await other.tokenize("m", messages=message)
+        await store.record_placement(store.keys_for(tokens[:160]), "a")
+        probed = EmbeddedPrefixes(store)
+        return await probed.probe("m", {"messages": message}, None, ["a", "b"]), len(tokens)
+
+    result, total = asyncio.run(run())
+    assert result is not None
+    assert len(result.keys) < total // 16
+    assert [(m.instance, m.matched_tokens) for m in result.matches] == [("a", 160)]
 
 
 def test_the_embedded_stores_metrics_are_served_with_the_routers() -> None:
