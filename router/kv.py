@@ -238,8 +238,9 @@ class EmbeddedPrefixes:
             # Earlier turns come from the message cache: at most a turn's new text is left.
             # A single new message is probed at its head below, whatever its length
             # (2026-12-05, ``bench.router_cpu mooncake --against HEAD``: 1.44 -> 1.29
-            # CPU-s per 1,000 requests, most of the trace's prompts being one message of
-            # under ``OFFLOAD_CHARS``; hit rate 0.147 against smg's 0.145).
+            # CPU-s per 1,000 requests with one process, most of the trace's prompts
+            # being one message of under ``OFFLOAD_CHARS``; with two, no change beyond
+            # the noise; hit rate 0.147 against smg's 0.145).
             new_chars = tok.uncached_chars(messages)
             single = len(messages) == 1 and new_chars is not None and new_chars > PROBE_CHARS
             if new_chars is not None and new_chars <= OFFLOAD_CHARS and not single:
