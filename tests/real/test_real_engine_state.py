@@ -27,10 +27,10 @@ def engine_metric(engine_url: str, name: str, **labels: str) -> float:
 
 def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
     # Two long streamed answers keep the engines running while the router scrapes them;
-    # the streams are closed once the router has shown the load. (Four requests of 8
-    # answers each once kept a CI machine's API servers so busy that every scrape timed
-    # out and the router never saw a running request, 2026-12-05: the load here is light
-    # on the API server, so its /metrics answers within the scrape timeout.)
+    # the streams are closed once the router has shown the load. (With four requests of 8
+    # answers each, a CI run's router never saw a running request, 2026-12-05. The likely
+    # cause: API servers that busy answer /metrics slower than the scrape timeout, as the
+    # next test's comment records. Two streams leave the API servers nearly idle.)
     admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
     seen: list[dict] = []
     deadline = time.monotonic() + 120
