@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loadtest.compare import CompareConfig, Outcome, compare
-from loadtest.report import aggregate, wide_console, write_reports
+from switchyard.loadtest.compare import CompareConfig, Outcome, compare
+from switchyard.loadtest.report import aggregate, wide_console, write_reports
 
 OURS = "kv_aware"
 SMG = "smg:cache_aware"

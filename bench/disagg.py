@@ -1,6 +1,6 @@
 """P/D disaggregation on the mock timing model: unified vs 1P:1D vs 2P:2D vs conditional P/D.
 
-Runs on the virtual clock (``mockengine/engine/virtual.py``: the same engine core as the
+Runs on the virtual clock (``src/switchyard/mock/engine/virtual.py``: the same engine core as the
 mock servers, in model time, deterministic), replaying the Mooncake conversation trace
 (each hash id is a fixed 512-token block, so prefix reuse is the trace's). Every
 configuration has the same number of engines and the same request stream.
@@ -32,10 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.core import EngineCore
-from mockengine.engine.virtual import RequestResult, VirtualFleet
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore
+from switchyard.mock.engine.virtual import RequestResult, VirtualFleet
 
 TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 BLOCK = 512

@@ -45,13 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from balancer import BalancerSettings, Fleet, Outcome, Ticket, WorkerSpec
-from balancer.probe import apply_scrape
-from balancer.scrape import Scrape
-from balancer.worker import EngineSample
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.core import EngineCore, Seq
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.probe import apply_scrape
+from switchyard.balancer.scrape import Scrape
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import EngineSample, Outcome, Ticket, WorkerSpec
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore, Seq
 
 POLICIES = ("round_robin", "least_requests", "minimum_tokens", "step_balanced")
 CLAIRVOYANT = "clairvoyant"

@@ -36,8 +36,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.procs import Server, free_port, redis_server
-from switchyard.realvllm import VllmEngine
+from switchyard.loadtest.procs import Server, free_port, redis_server
+from tools.realvllm import VllmEngine
 
 MODEL = "mock-model"
 REAL_MODEL = "switchyard-llama"
@@ -317,7 +317,7 @@ def sigterm_row(opts: argparse.Namespace, processes: int = 1) -> Row:
 @contextmanager
 def real_fleet(opts: argparse.Namespace) -> Iterator[tuple[Server, list[VllmEngine]]]:
     """Two real vLLM-CPU engines (the tiny random-weight model, one core each) and a router."""
-    from switchyard.realvllm import EngineOptions, build_model, start_engines
+    from tools.realvllm import EngineOptions, build_model, start_engines
 
     with tempfile.TemporaryDirectory(prefix="faults-vllm-") as tmp:
         model = build_model(opts.model_dir or Path(tmp) / "model", "tiny", 2048)

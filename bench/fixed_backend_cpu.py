@@ -24,7 +24,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from bench.overhead import fixed_backend, process, router_argv, run_wrk, smg_router
-from loadtest.procs import REPO, Server, cpu_seconds, free_port, python_from, worktree
+from switchyard.loadtest.procs import Server, cpu_seconds, free_port, python_from
+from tools.worktree import REPO, worktree
 
 
 def router(code: Path, backend: str) -> Server:

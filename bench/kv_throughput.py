@@ -30,11 +30,11 @@ import orjson
 from bench.compare_routing import SCENARIOS
 from bench.overhead import run_wrk
 from bench.router_cpu import workload_for
-from loadtest.compare import MODEL, run_order
-from loadtest.fleet import MockFleet
-from loadtest.procs import cpu_seconds
-from loadtest.routers import RouterSpec, Unavailable, start_router
-from mockengine.settings import DEFAULT_TOKENIZER
+from switchyard.loadtest.compare import MODEL, run_order
+from switchyard.loadtest.fleet import MockFleet
+from switchyard.loadtest.procs import cpu_seconds
+from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
+from switchyard.mock.settings import DEFAULT_TOKENIZER
 
 ROUTERS = ("kv_aware@1", "kv_aware@2", "smg:cache_aware")
 THREADS = 2  # as bench.overhead.run_wrk runs wrk at 2 connections or more

@@ -21,17 +21,17 @@ import tracemalloc
 
 import msgpack
 
-from kvstore.events import BlockStored, EventBatch
-from kvstore.feed import Feed
-from kvstore.index import Location
-from kvstore.ingest import Ingestor
-from kvstore.keys import block_keys
-from kvstore.memory import MemoryIndex
-from kvstore.redis_index import RedisIndex
-from kvstore.store import KVStore
-from kvstore.tokenize import RoutingTokenizer
-from loadtest.procs import redis_server
-from mockengine.settings import DEFAULT_TOKENIZER
+from switchyard.kvstore.events import BlockStored, EventBatch
+from switchyard.kvstore.feed import Feed
+from switchyard.kvstore.index import Location
+from switchyard.kvstore.ingest import Ingestor
+from switchyard.kvstore.keys import block_keys
+from switchyard.kvstore.memory import MemoryIndex
+from switchyard.kvstore.redis_index import RedisIndex
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.loadtest.procs import redis_server
+from switchyard.mock.settings import DEFAULT_TOKENIZER
 
 BLOCK = 16
 PROMPT_TOKENS = 32_768

@@ -35,14 +35,15 @@ from typing import Any
 
 import httpx
 
-from loadtest.client import Result, replay
-from loadtest.fleet import MockFleet
-from loadtest.procs import REPO, cpu_seconds, free_port_block, wait_http
-from loadtest.prom import samples, values
-from loadtest.workloads import build_workload
-from mockengine.fleet import default_processes
-from mockengine.settings import DEFAULT_TOKENIZER
-from router.metrics import FLUSH_INTERVAL_S
+from switchyard.loadtest.client import Result, replay
+from switchyard.loadtest.fleet import MockFleet
+from switchyard.loadtest.procs import cpu_seconds, free_port_block, wait_http
+from switchyard.loadtest.prom import samples, values
+from switchyard.loadtest.workloads import build_workload
+from switchyard.mock.fleet import default_processes
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from switchyard.router.metrics import FLUSH_INTERVAL_S
+from tools.worktree import REPO
 
 MODEL = "mock-model"
 ADMIN_KEY = "large-fleet-bench"

@@ -36,11 +36,11 @@ import msgpack
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from loadtest.procs import Server, free_port
-from loadtest.workloads import build_workload
-from mockengine.settings import DEFAULT_TOKENIZER
-from switchyard.realvllm import BLOCK_SIZE, EngineOptions, build_model, start_engines
+from switchyard.kvstore.events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
+from switchyard.loadtest.procs import Server, free_port
+from switchyard.loadtest.workloads import build_workload
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from tools.realvllm import BLOCK_SIZE, EngineOptions, build_model, start_engines
 
 MODEL = "switchyard-llama"
 

@@ -27,10 +27,10 @@ import sys
 import tempfile
 import time
 
-from loadtest.procs import Server, cpu_seconds, free_port
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.virtual import VirtualFleet
+from switchyard.loadtest.procs import Server, cpu_seconds, free_port
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.virtual import VirtualFleet
 
 SHORT = {"model": "mock-model", "prompt": "hello world, a short prompt", "max_tokens": 1}
 STREAM = {**SHORT, "max_tokens": 200, "stream": True}

@@ -23,11 +23,11 @@ import random
 import time
 from pathlib import Path
 
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.core import EngineCore
-from mockengine.engine.driver import RealClockEngine
-from mockengine.engine.virtual import VirtualFleet
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore
+from switchyard.mock.engine.driver import RealClockEngine
+from switchyard.mock.engine.virtual import VirtualFleet
 
 
 def bench_step(steps: int = 500) -> float:

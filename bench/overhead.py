@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from loadtest.procs import Server, free_port
+from switchyard.loadtest.procs import Server, free_port
 
 ANSWER = (
     '{"id":"cmpl-bench","object":"text_completion","created":0,"model":"bench",'

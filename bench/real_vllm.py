@@ -33,17 +33,17 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.ceiling import ceiling
-from loadtest.client import replay
-from loadtest.compare import CompareConfig, Outcome, Run, run_order
-from loadtest.metrics import SLO, percentile, summarize
-from loadtest.procs import cpu_seconds
-from loadtest.prom import totals
-from loadtest.report import aggregate, wide_console, write_reports
-from loadtest.routers import RouterSpec, Unavailable, start_router
-from loadtest.workload import Workload
-from loadtest.workloads import build_workload
-from switchyard.realvllm import BLOCK_SIZE, EngineOptions, VllmFleet, build_model, start_engines
+from switchyard.loadtest.ceiling import ceiling
+from switchyard.loadtest.client import replay
+from switchyard.loadtest.compare import CompareConfig, Outcome, Run, run_order
+from switchyard.loadtest.metrics import SLO, percentile, summarize
+from switchyard.loadtest.procs import cpu_seconds
+from switchyard.loadtest.prom import totals
+from switchyard.loadtest.report import aggregate, wide_console, write_reports
+from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
+from switchyard.loadtest.workload import Workload
+from switchyard.loadtest.workloads import build_workload
+from tools.realvllm import BLOCK_SIZE, EngineOptions, VllmFleet, build_model, start_engines
 
 OURS = "kv_aware"
 SMG = "smg:cache_aware"

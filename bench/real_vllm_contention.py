@@ -34,7 +34,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
-from switchyard.realvllm import EngineOptions, VllmFleet, build_model, start_engines
+from tools.realvllm import EngineOptions, VllmFleet, build_model, start_engines
 
 MODEL = "switchyard-llama"
 MAX_MODEL_LEN = 8192

@@ -29,11 +29,11 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.prom import samples
-from loadtest.routers import RouterSpec, RunningRouter, Unavailable, start_router
-from mockengine.settings import DEFAULT_TOKENIZER
-from router.metrics import FLUSH_INTERVAL_S
-from switchyard.realvllm import EngineOptions, build_model, start_engines
+from switchyard.loadtest.prom import samples
+from switchyard.loadtest.routers import RouterSpec, RunningRouter, Unavailable, start_router
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from switchyard.router.metrics import FLUSH_INTERVAL_S
+from tools.realvllm import EngineOptions, build_model, start_engines
 
 MODEL = "bench"
 MAX_MODEL_LEN = 8192

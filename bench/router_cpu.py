@@ -38,17 +38,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.compare_routing import MULTITURN, SCENARIOS
-from loadtest.client import Result, replay
-from loadtest.compare import MODEL, run_order
-from loadtest.fleet import MockFleet
-from loadtest.metrics import percentile
-from loadtest.procs import cpu_seconds, cpu_times, worktree
-from loadtest.prom import samples
-from loadtest.routers import RouterSpec, Unavailable, start_router
-from loadtest.workload import Workload
-from loadtest.workloads import build_workload
-from mockengine.settings import DEFAULT_TOKENIZER
-from router.metrics import FLUSH_INTERVAL_S
+from switchyard.loadtest.client import Result, replay
+from switchyard.loadtest.compare import MODEL, run_order
+from switchyard.loadtest.fleet import MockFleet
+from switchyard.loadtest.metrics import percentile
+from switchyard.loadtest.procs import cpu_seconds, cpu_times
+from switchyard.loadtest.prom import samples
+from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
+from switchyard.loadtest.workload import Workload
+from switchyard.loadtest.workloads import build_workload
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from switchyard.router.metrics import FLUSH_INTERVAL_S
+from tools.worktree import worktree
 
 ROUTERS = ("kv_aware", "smg:cache_aware")
 SCHEDULE = "switchyard_router_schedule_seconds_bucket"
@@ -223,10 +224,10 @@ def replay_runs(args: argparse.Namespace, specs: list[RouterSpec]) -> None:
 
 async def _lookup_times(workload: Workload, incremental: bool) -> dict[str, list[float]]:
     """Seconds per scheduling lookup (probe, else whole lookup), by first or later turn."""
-    from kvstore.memory import MemoryIndex
-    from kvstore.store import KVStore
-    from kvstore.tokenize import RoutingTokenizer
-    from router.kv import EmbeddedPrefixes
+    from switchyard.kvstore.memory import MemoryIndex
+    from switchyard.kvstore.store import KVStore
+    from switchyard.kvstore.tokenize import RoutingTokenizer
+    from switchyard.router.kv import EmbeddedPrefixes
 
     tok = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
     if not incremental:
@@ -252,7 +253,7 @@ async def _lookup_times(workload: Workload, incremental: bool) -> dict[str, list
 
 def _prompt_times(prompts: list[str], space_cuts: bool) -> tuple[list[float], float]:
     """Seconds per completion prompt tokenized, and the share of pieces from the cache."""
-    from kvstore.tokenize import RoutingTokenizer
+    from switchyard.kvstore.tokenize import RoutingTokenizer
 
     tok = RoutingTokenizer.from_dir(DEFAULT_TOKENIZER)
     if not space_cuts:
@@ -299,10 +300,10 @@ def micro_bench(args: argparse.Namespace) -> None:
 async def _ingest_times(engines: int, blocks_per_batch: int, batches: int) -> list[float]:
     """Seconds per event batch applied by the store (decode, re-key, index), ``engines``
     publishers taking turns: each batch is one request's new blocks, chained on the last."""
-    from kvstore.memory import MemoryIndex
-    from kvstore.store import KVStore
-    from mockengine.engine.events import BlockStored, KVEventBatch
-    from mockengine.kvevents import encode_batch
+    from switchyard.kvstore.memory import MemoryIndex
+    from switchyard.kvstore.store import KVStore
+    from switchyard.mock.engine.events import BlockStored, KVEventBatch
+    from switchyard.mock.kvevents import encode_batch
 
     store = KVStore(MemoryIndex(), block_size=16)
     parents: dict[int, int | None] = {}
@@ -342,10 +343,10 @@ async def _sibling_costs(workers: int, syncs: int, placements: int) -> tuple[lis
     shared (publish, receive, record): two processes' ends of the bus in this one."""
     import tempfile
 
-    from balancer import BalancerSettings, Fleet, WorkerSpec
-    from balancer.siblings import SiblingBus, SiblingShare
-    from kvstore.store import KVStore
-    from router.kv import EmbeddedPrefixes
+    from switchyard.balancer import BalancerSettings, Fleet, WorkerSpec
+    from switchyard.balancer.siblings import SiblingBus, SiblingShare
+    from switchyard.kvstore.store import KVStore
+    from switchyard.router.kv import EmbeddedPrefixes
 
     with tempfile.TemporaryDirectory() as tmp:
         specs = [WorkerSpec.parse(f"http://10.0.{i // 250}.{i % 250}:8000") for i in range(workers)]

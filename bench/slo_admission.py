@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import httpx
 
-from loadtest.procs import Server, free_port
-from loadtest.prom import values
-from router.metrics import FLUSH_INTERVAL_S
+from switchyard.loadtest.procs import Server, free_port
+from switchyard.loadtest.prom import values
+from switchyard.router.metrics import FLUSH_INTERVAL_S
 
 
 @dataclass

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import httpx
 
-from loadtest.procs import Server, free_port
+from switchyard.loadtest.procs import Server, free_port
 
 MODEL = "mock-model"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.procs import Server, free_port, free_port_block, redis_server, wait_http
-from loadtest.prom import values
-from mockengine.settings import DEFAULT_TOKENIZER
+from switchyard.loadtest.procs import Server, free_port, free_port_block, redis_server, wait_http
+from switchyard.loadtest.prom import values
+from switchyard.mock.settings import DEFAULT_TOKENIZER
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = Path(DEFAULT_TOKENIZER)

@@ -15,13 +15,13 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.types import ASGIApp
 
-from balancer.service import create_app as balancer_app
-from balancer.settings import BalancerSettings
-from kvstore.build import store_from_settings
-from kvstore.service import create_app as kvstore_app
-from kvstore.settings import KVStoreSettings
-from router.server import build_app
-from router.settings import RouterSettings
+from switchyard.balancer.service import create_app as balancer_app
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.kvstore.build import store_from_settings
+from switchyard.kvstore.service import create_app as kvstore_app
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.router.server import build_app
+from switchyard.router.settings import RouterSettings
 
 KEY = "admin-secret"
 ADMIN = {"Authorization": f"Bearer {KEY}"}

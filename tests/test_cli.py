@@ -10,14 +10,14 @@ from pathlib import Path
 import click
 import pytest
 
-import balancer.cli
-import mockengine.cli
-import router.cli
-from balancer.settings import BalancerSettings
-from kvstore.settings import KVStoreSettings
-from mockengine.settings import MockSettings
-from router.settings import RouterSettings
-from switchyard.cli import cli, run
+import switchyard.balancer.cli
+import switchyard.mock.cli
+import switchyard.router.cli
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.cli.main import cli, run
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.mock.settings import MockSettings
+from switchyard.router.settings import RouterSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,9 +37,9 @@ def bad(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 def loaded(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """What the service commands were given, instead of starting them."""
     seen: list[object] = []
-    monkeypatch.setattr(router.cli, "_run", lambda s, config: seen.append(s))
-    monkeypatch.setattr(balancer.cli, "_run", lambda s, config: seen.append(s))
-    monkeypatch.setattr(mockengine.cli, "_run", lambda s, config: seen.append(s))
+    monkeypatch.setattr(switchyard.router.cli, "_run", lambda s, config: seen.append(s))
+    monkeypatch.setattr(switchyard.balancer.cli, "_run", lambda s, config: seen.append(s))
+    monkeypatch.setattr(switchyard.mock.cli, "_run", lambda s, config: seen.append(s))
     return seen
 
 
@@ -54,7 +54,7 @@ def test_relative_tokenizer_path_says_what_it_is_relative_to(
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[1] / "deploy" / "local-stack.yaml"
     line = bad(capsys, "router", "--config", str(config))
-    assert "mockengine/assets/tokenizer" in line and str(tmp_path) in line
+    assert "src/switchyard/mock/assets/tokenizer" in line and str(tmp_path) in line
 
 
 def test_unknown_policy_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from switchyard.httpclient import ConnectionPool
+from switchyard.net.httpclient import ConnectionPool
 from tests.support import free_port
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -1,11 +1,11 @@
-"""switchyard.packing: msgpack bytes from a packer kept per thread."""
+"""switchyard.core.packing: msgpack bytes from a packer kept per thread."""
 
 from __future__ import annotations
 
 import msgpack
 import pytest
 
-from switchyard.packing import packb
+from switchyard.core.packing import packb
 
 
 def test_packb_gives_what_msgpack_packb_gives() -> None:

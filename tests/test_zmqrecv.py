@@ -1,4 +1,4 @@
-"""``switchyard.zmqrecv.messages``: a burst is read whole and in order, then it waits."""
+"""``switchyard.net.zmqrecv.messages``: a burst is read whole and in order, then it waits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 import zmq
 
-from switchyard.zmqrecv import BURST, ZmqContext, messages
+from switchyard.net.zmqrecv import BURST, ZmqContext, messages
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""``switchyard.zmtp.subscribe``: a ZMTP 3.0 subscriber in the event loop, read against
+"""``switchyard.net.zmtp.subscribe``: a ZMTP 3.0 subscriber in the event loop, read against
 libzmq's own publishers (pyzmq PUB sockets)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from loadtest.procs import free_port
-from switchyard import zmtp
+from switchyard.loadtest.procs import free_port
+from switchyard.net import zmtp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -137,7 +137,7 @@ async def subscribed_to(
     server = await asyncio.start_server(peer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     reading = asyncio.ensure_future(anext(zmtp.subscribe(f"tcp://127.0.0.1:{port}")))
-    with caplog.at_level(logging.WARNING, "switchyard.zmtp"):
+    with caplog.at_level(logging.WARNING, "switchyard.net.zmtp"):
         await asyncio.sleep(for_s)
     came = reading.done()
     reading.cancel()

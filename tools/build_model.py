@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from switchyard.realvllm import SIZES, EngineOptions, build_model, start_engines
+from tools.realvllm import SIZES, EngineOptions, build_model, start_engines
 
 
 def main() -> None:

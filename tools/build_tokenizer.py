@@ -1,4 +1,4 @@
-"""Rebuild the deterministic byte-level BPE tokenizer shipped in mockengine/assets/tokenizer.
+"""Rebuild the deterministic byte-level BPE tokenizer shipped in switchyard/mock/assets/tokenizer.
 
 Trained on the docstrings of the Python standard library, so it needs no download
 and splits English text about as finely as a real LLM tokenizer (~4 chars/token).
@@ -70,4 +70,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "mockengine/assets/tokenizer"))
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "src/switchyard/mock/assets/tokenizer"))

@@ -10,10 +10,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from balancer import Outcome, WorkerSpec
-from balancer.remote import RemoteFleet
-from balancer.service import MAX_PROMPT_TOKENS, create_app
-from balancer.settings import BalancerSettings
+from switchyard.balancer.remote import RemoteFleet
+from switchyard.balancer.service import MAX_PROMPT_TOKENS, create_app
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, WorkerSpec
 from tests.balancer.fleet_stubs import StubEngine, StubFactory
 from tests.support import Server, free_port, redis_server
 

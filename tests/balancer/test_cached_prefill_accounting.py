@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from balancer.fleet import Fleet
-from balancer.settings import BalancerSettings
-from balancer.worker import Outcome, WorkerSpec
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, WorkerSpec
 
 
 def test_cached_prompt_queues_only_its_uncached_part_then_decodes_with_full_context() -> None:

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from balancer import BalancerSettings, Fleet, Outcome, Role
-from balancer.k8s import pod_spec
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.k8s import pod_spec
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, Role
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import free_port
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from balancer import BalancerSettings
-from balancer.dp import step_balanced
-from balancer.worker import RankCounters
+from switchyard.balancer.dp import step_balanced
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import RankCounters
 
 
 def ranks_with_a_pull_in_flight() -> list[RankCounters]:

@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 
-from balancer import BalancerSettings, Fleet, WorkerSpec
-from balancer.probe import apply_scrape
-from balancer.scrape import Scrape, parse_metrics
-from balancer.worker import EngineSample
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.probe import apply_scrape
+from switchyard.balancer.scrape import Scrape, parse_metrics
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import EngineSample, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import Server, free_port
 

@@ -9,7 +9,9 @@ import time
 import aiohttp
 import pytest
 
-from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)

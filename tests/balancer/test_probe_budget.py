@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
-from balancer.probe import busy, stretched
-from balancer.worker import EngineSample, Worker
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.probe import busy, stretched
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import EngineSample, Outcome, Worker, WorkerSpec
 from tests.balancer.fleet_stubs import StubEngine, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -149,7 +150,7 @@ async def test_probes_waiting_for_a_connection_slot_do_not_time_out(
 ) -> None:
     """Three workers answering in 0.3 s, one probe at a time, a 0.5 s timeout: the third
     probe waits 0.6 s for its turn, which must not count against its timeout."""
-    monkeypatch.setattr("balancer.probe._MAX_CONNECTIONS", 1)
+    monkeypatch.setattr("switchyard.balancer.probe._MAX_CONNECTIONS", 1)
     stubs = [CountingStub(health_delay_s=0.3) for _ in range(3)]
     for engine in stubs:
         await engine.start()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
-from balancer.dp import rank_cost, step_balanced
-from balancer.service import Tickets
-from balancer.worker import RankCounters
+from switchyard.balancer.dp import rank_cost, step_balanced
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.service import Tickets
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, RankCounters, WorkerSpec
 
 
 def fleet_with(policy: str, spec: str = "http://127.0.0.1:9;dp=4;models=m") -> Fleet:

@@ -8,9 +8,11 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from balancer import BalancerSettings, Fleet, Outcome, Worker, WorkerSpec
-from balancer.remote import RemoteFleet
-from balancer.view import FleetView
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.remote import RemoteFleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.view import FleetView
+from switchyard.balancer.worker import Outcome, Worker, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import free_port
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from balancer.remote import RemoteFleet
-from balancer.settings import BalancerSettings
+from switchyard.balancer.remote import RemoteFleet
+from switchyard.balancer.settings import BalancerSettings
 
 
 def test_static_workers_in_settings_are_known_and_queued_before_start() -> None:

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-import balancer.scrape as scrape
-from balancer.scrape import parse_metrics
+import switchyard.balancer.scrape as scrape
+from switchyard.balancer.scrape import parse_metrics
 
 REAL_VLLM = Path(__file__).parents[1] / "fixtures" / "vllm_real" / "metrics.txt"
 

@@ -6,7 +6,9 @@ import asyncio
 
 import pytest
 
-from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import free_port, redis_server
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from balancer import BalancerSettings, Fleet, WorkerSpec
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 from tests.support import redis_server
 

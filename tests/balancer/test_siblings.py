@@ -13,8 +13,17 @@ from typing import Any
 import msgpack
 import pytest
 
-from balancer import BalancerSettings, Fleet, Outcome, WorkerSpec
-from balancer.siblings import BATCH_S, LAZY_S, Handler, SiblingBus, SiblingShare, _Inbound
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.siblings import (
+    BATCH_S,
+    LAZY_S,
+    Handler,
+    SiblingBus,
+    SiblingShare,
+    _Inbound,
+)
+from switchyard.balancer.worker import Outcome, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)

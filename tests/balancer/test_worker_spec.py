@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from balancer import Role, WorkerSpec
-from balancer.worker import MAX_DP_SIZE
+from switchyard.balancer.worker import MAX_DP_SIZE, Role, WorkerSpec
 
 
 def test_plain_url_is_a_unified_single_rank_worker_without_trailing_slash() -> None:

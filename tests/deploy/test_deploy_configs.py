@@ -22,16 +22,16 @@ from kubernetes import client as k8s
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.k8s import pod_ready, pod_spec
-from balancer.settings import BalancerSettings
-from kvstore.settings import KVStoreSettings
-from mockengine.fleet import plan_fleet
-from mockengine.settings import MockSettings
-from router.pd.settings import PDSettings
-from router.scheduler.policies import build_scheduler
-from router.server import build_app, worker_specs
-from router.settings import RouterSettings
-from switchyard.settings import ServiceSettings
+from switchyard.balancer.k8s import pod_ready, pod_spec
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.core.settings import ServiceSettings
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.mock.fleet import plan_fleet
+from switchyard.mock.settings import MockSettings
+from switchyard.router.pd.settings import PDSettings
+from switchyard.router.scheduler.policies import build_scheduler
+from switchyard.router.server import build_app, worker_specs
+from switchyard.router.settings import RouterSettings
 from tests.support import REPO, TOKENIZER_DIR, Server, free_port, free_port_block, redis_server
 
 DEPLOY = REPO / "deploy"

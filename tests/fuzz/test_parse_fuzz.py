@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore.tokenize import RoutingTokenizer
-from router.errors import RouterError
-from router.request import CHAT, COMPLETIONS, EMBEDDINGS, RoutedRequest, parse
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.router.errors import RouterError
+from switchyard.router.request import CHAT, COMPLETIONS, EMBEDDINGS, RoutedRequest, parse
 from tests.support import TOKENIZER_DIR
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,9 +7,9 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from kvstore.index import KVIndex
-from kvstore.memory import MemoryIndex
-from kvstore.redis_index import RedisIndex
+from switchyard.kvstore.index import KVIndex
+from switchyard.kvstore.memory import MemoryIndex
+from switchyard.kvstore.redis_index import RedisIndex
 from tests.support import redis_server
 
 _namespaces = itertools.count()

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from kvstore.bpe import fast_encoder
-from kvstore.tokenize import RoutingTokenizer
+from switchyard.kvstore.bpe import fast_encoder
+from switchyard.kvstore.tokenize import RoutingTokenizer
 from tests.support import TOKENIZER_DIR
 
 SPECIALS = re.compile(r"(<\|endoftext\|>|<\|im_start\|>|<\|im_end\|>)")

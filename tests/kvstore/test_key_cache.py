@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from kvstore.build import store_from_settings
-from kvstore.keys import KeyCache, block_keys
-from kvstore.settings import KVStoreSettings
-from kvstore.store import KVStore
-from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
-from router.kv import KVAwareness
-from router.metrics import KVMetrics
+from switchyard.kvstore.build import store_from_settings
+from switchyard.kvstore.keys import KeyCache, block_keys
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
+from switchyard.router.kv import KVAwareness
+from switchyard.router.metrics import KVMetrics
 from tests.support import TOKENIZER_DIR
 
 TOKENS = list(range(1000, 1000 + 16 * 40))

@@ -8,7 +8,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvstore.events import (
+from switchyard.kvstore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -16,9 +16,9 @@ from kvstore.events import (
     decode_batch,
     decode_batch_obj,
 )
-from kvstore.index import Add, Remove
-from kvstore.ingest import Ingestor
-from kvstore.store import KVStore
+from switchyard.kvstore.index import Add, Remove
+from switchyard.kvstore.ingest import Ingestor
+from switchyard.kvstore.store import KVStore
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "kv_events"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())

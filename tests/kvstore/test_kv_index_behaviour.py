@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from kvstore.index import Add, Clear, KVIndex, Location, Remove
-from kvstore.keys import block_keys
+from switchyard.kvstore.index import Add, Clear, KVIndex, Location, Remove
+from switchyard.kvstore.keys import block_keys
 
 BS = 16
 

@@ -10,9 +10,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvstore.store import KVStore
-from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from mockengine.kvevents import KVEventPublisher
+from switchyard.kvstore.store import KVStore
+from switchyard.mock.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from switchyard.mock.kvevents import KVEventPublisher
 from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(60)

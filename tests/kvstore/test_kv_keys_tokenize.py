@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, processors
 
-from kvstore.keys import block_keys, key_extra
-from kvstore.tokenize import _NEWLINE_CUT, _SPACE_CUT, RoutingTokenizer
+from switchyard.kvstore.keys import block_keys, key_extra
+from switchyard.kvstore.tokenize import _NEWLINE_CUT, _SPACE_CUT, RoutingTokenizer
 from tests.support import TOKENIZER_DIR
 
 

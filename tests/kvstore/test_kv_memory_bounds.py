@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvstore.index import Location
-from kvstore.keys import block_keys
-from kvstore.memory import MemoryIndex
+from switchyard.kvstore.index import Location
+from switchyard.kvstore.keys import block_keys
+from switchyard.kvstore.memory import MemoryIndex
 
 A = "http://127.0.0.1:8001"
 

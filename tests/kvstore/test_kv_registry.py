@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from balancer.fleet import Fleet
-from balancer.worker import WorkerSpec
-from kvstore.registry import FleetFollower, rank_endpoint
-from kvstore.store import KVStore
-from mockengine.engine.events import BlockStored, KVEventBatch
-from mockengine.kvevents import KVEventPublisher
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.worker import WorkerSpec
+from switchyard.kvstore.registry import FleetFollower, rank_endpoint
+from switchyard.kvstore.store import KVStore
+from switchyard.mock.engine.events import BlockStored, KVEventBatch
+from switchyard.mock.kvevents import KVEventPublisher
 from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,13 +13,13 @@ import msgpack
 import pytest
 from fastapi.testclient import TestClient
 
-from kvstore.allowlist import EndpointAllowList
-from kvstore.index import Location
-from kvstore.redis_index import RedisIndex
-from kvstore.remote import RemoteKVStore
-from kvstore.service import create_app
-from kvstore.settings import KVStoreSettings
-from kvstore.store import KVStore
+from switchyard.kvstore.allowlist import EndpointAllowList
+from switchyard.kvstore.index import Location
+from switchyard.kvstore.redis_index import RedisIndex
+from switchyard.kvstore.remote import RemoteKVStore
+from switchyard.kvstore.service import create_app
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.kvstore.store import KVStore
 from tests.support import TOKENIZER_DIR, Server, free_port, redis_server
 
 pytestmark = pytest.mark.timeout(60)

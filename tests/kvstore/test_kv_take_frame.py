@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgpack
 
-from kvstore.feed import Feed
-from kvstore.store import KVStore
+from switchyard.kvstore.feed import Feed
+from switchyard.kvstore.store import KVStore
 
 E = "http://127.0.0.1:8001"
 TOKENS = list(range(32))

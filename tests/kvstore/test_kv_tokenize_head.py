@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvstore.tokenize import RoutingTokenizer
+from switchyard.kvstore.tokenize import RoutingTokenizer
 from tests.support import TOKENIZER_DIR
 
 TEXT = "The quick brown fox jumps over the lazy dog near the riverbank. " * 40

@@ -14,16 +14,16 @@ import zmq
 from aiohttp import web
 from fastapi.testclient import TestClient
 
-from kvstore.discovery import parse_sources, reachable
-from kvstore.events import BlockStored as WireStored
-from kvstore.events import EventBatch
-from kvstore.listener import TopicMap
-from kvstore.service import create_app
-from kvstore.settings import KVStoreSettings, parse_subscription
-from kvstore.store import KVStore
-from mockengine.engine.events import BlockStored, KVEventBatch
-from mockengine.kvevents import KVEventPublisher
-from switchyard.cli import run
+from switchyard.cli.main import run
+from switchyard.kvstore.discovery import parse_sources, reachable
+from switchyard.kvstore.events import BlockStored as WireStored
+from switchyard.kvstore.events import EventBatch
+from switchyard.kvstore.listener import TopicMap
+from switchyard.kvstore.service import create_app
+from switchyard.kvstore.settings import KVStoreSettings, parse_subscription
+from switchyard.kvstore.store import KVStore
+from switchyard.mock.engine.events import BlockStored, KVEventBatch
+from switchyard.mock.kvevents import KVEventPublisher
 from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(30)

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from tokenizers import Tokenizer
 
-from kvstore.store import KVStore, LookupResult
-from kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
-from router.kv import EmbeddedPrefixes, KVAwareness
-from router.metrics import KVMetrics
+from switchyard.kvstore.store import KVStore, LookupResult
+from switchyard.kvstore.tokenize import OFFLOAD_CHARS, RoutingTokenizer
+from switchyard.router.kv import EmbeddedPrefixes, KVAwareness
+from switchyard.router.metrics import KVMetrics
 from tests.support import TOKENIZER_DIR
 
 SYSTEM = "You review code.\nBe brief. " + "Shared system prompt words. " * 60

@@ -15,9 +15,9 @@ import msgpack
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.scrape import parse_metrics
-from kvstore.discovery import parse_sources
-from kvstore.events import (
+from switchyard.balancer.scrape import parse_metrics
+from switchyard.kvstore.discovery import parse_sources
+from switchyard.kvstore.events import (
     _MAP_BATCH,
     AllBlocksCleared,
     BlockRemoved,
@@ -25,9 +25,9 @@ from kvstore.events import (
     decode_batch,
     decode_batch_obj,
 )
-from kvstore.store import KVStore
-from kvstore.tokenize import RoutingTokenizer
-from mockengine.settings import DEFAULT_TOKENIZER
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.mock.settings import DEFAULT_TOKENIZER
 
 HERE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_real"
 FRAMES: list[list[bytes]] = msgpack.unpackb((HERE / "events.msgpack").read_bytes(), raw=False)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from router.settings import usable_cores
+from switchyard.router.settings import usable_cores
 from tests.support import REPO, Server, free_port
 
 WORKLOAD = [

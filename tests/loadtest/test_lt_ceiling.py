@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.ceiling import ceiling, hit_tokens, prefix_hashes
-from loadtest.workloads import build_workload
+from switchyard.loadtest.ceiling import ceiling, hit_tokens, prefix_hashes
+from switchyard.loadtest.workloads import build_workload
 
 BS = 4
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.fleet import MockFleet
-from loadtest.text import default_bank
-from router.settings import usable_cores
+from switchyard.loadtest.fleet import MockFleet
+from switchyard.loadtest.text import default_bank
+from switchyard.router.settings import usable_cores
 from tests.support import REPO
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import demo
-from loadtest.compare import run_order
-from loadtest.routers import RouterSpec
+from switchyard.loadtest import demo
+from switchyard.loadtest.compare import run_order
+from switchyard.loadtest.routers import RouterSpec
 
 
 def test_demo_compares_round_robin_with_our_best_policy_without_smg(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.client import Result
-from loadtest.metrics import SLO, hit_rate, percentile, spread, summarize
+from switchyard.loadtest.client import Result
+from switchyard.loadtest.metrics import SLO, hit_rate, percentile, spread, summarize
 
 
 def _ok(i: int, sent: float, ttft: float, e2e: float, out: int, prompt: int, cached: int) -> Result:

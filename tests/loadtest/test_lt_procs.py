@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.procs import ProcessExited, Server, free_port, free_port_block, wait_http
+from switchyard.loadtest.procs import ProcessExited, Server, free_port, free_port_block, wait_http
 
 HEALTH_SERVER = """
 import sys

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.prom import labels_of, totals, values
+from switchyard.loadtest.prom import labels_of, totals, values
 
 TEXT = """\
 # TYPE vllm:num_requests_running gauge

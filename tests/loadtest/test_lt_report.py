@@ -6,12 +6,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from loadtest.ceiling import Ceiling
-from loadtest.compare import CompareConfig, Outcome, Run
-from loadtest.demo import headline
-from loadtest.metrics import Summary
-from loadtest.report import aggregate, render_table, to_json
-from loadtest.workloads import build_workload
+from switchyard.loadtest.ceiling import Ceiling
+from switchyard.loadtest.compare import CompareConfig, Outcome, Run
+from switchyard.loadtest.demo import headline
+from switchyard.loadtest.metrics import Summary
+from switchyard.loadtest.report import aggregate, render_table, to_json
+from switchyard.loadtest.workloads import build_workload
 
 
 def _summary(hit: float, ttft_p90: float, rps: float) -> Summary:

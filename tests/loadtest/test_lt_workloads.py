@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.text import default_bank
-from loadtest.workloads import build_workload
-from mockengine.settings import DEFAULT_TOKENIZER
-from mockengine.tokenizer import ModelTokenizer
+from switchyard.loadtest.text import default_bank
+from switchyard.loadtest.workloads import build_workload
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from switchyard.mock.tokenizer import ModelTokenizer
 
 SMALL = {"rate": 20.0, "duration_s": 3.0}
 
@@ -161,7 +161,7 @@ def test_mooncake_block_tokens_shrinks_prompts_keeping_reuse(
 
 
 def test_real_mooncake_trace_blocks_are_512_tokens(tok: ModelTokenizer) -> None:
-    from loadtest.workloads.mooncake import DEFAULT_TRACE
+    from switchyard.loadtest.workloads.mooncake import DEFAULT_TRACE
 
     if not DEFAULT_TRACE.exists():
         pytest.skip(f"trace not present at {DEFAULT_TRACE}")

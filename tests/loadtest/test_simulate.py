@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.simulate import SimConfig, run_sync, simulate
-from loadtest.simworkload import sim_workload
+from switchyard.loadtest.simulate import SimConfig, run_sync, simulate
+from switchyard.loadtest.simworkload import sim_workload
 from tests.support import REPO
 
 SMALL = {"rate": 6.0, "duration_s": 4.0}

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from loadtest.simplan import Objective, assumptions, plan, plan_split, splits
-from loadtest.simulate import SimConfig, simulate
+from switchyard.loadtest.simplan import Objective, assumptions, plan, plan_split, splits
+from switchyard.loadtest.simulate import SimConfig, simulate
 
 BASE = SimConfig(workload="multiturn", workload_params={"rate": 120.0, "duration_s": 2.0})
 OBJECTIVE = Objective(ttft_p90_ms=200.0, tpot_p90_ms=30.0)

@@ -20,9 +20,9 @@ import os
 import pytest
 from rich.console import Console
 
-from loadtest.compare import CompareConfig, compare
-from loadtest.metrics import Summary
-from loadtest.simulate import SimConfig, simulate
+from switchyard.loadtest.compare import CompareConfig, compare
+from switchyard.loadtest.metrics import Summary
+from switchyard.loadtest.simulate import SimConfig, simulate
 
 ENGINES = 8
 POLICIES = ["round_robin", "kv_aware"]

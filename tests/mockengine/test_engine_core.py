@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.core import EngineCore
-from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from mockengine.engine.virtual import RequestResult, VirtualFleet, simulate
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore
+from switchyard.mock.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from switchyard.mock.engine.virtual import RequestResult, VirtualFleet, simulate
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mockengine.engine.api import EngineRequest, TokenOutput
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.driver import RealClockEngine, make_ranks
-from mockengine.engine.events import KVEventBatch
-from mockengine.engine.virtual import simulate
+from switchyard.mock.engine.api import EngineRequest, TokenOutput
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.driver import RealClockEngine, make_ranks
+from switchyard.mock.engine.events import KVEventBatch
+from switchyard.mock.engine.virtual import simulate
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mockengine.engine.hashing import BlockHasher, sglang_block_digest, vllm_block_digest
+from switchyard.mock.engine.hashing import BlockHasher, sglang_block_digest, vllm_block_digest
 
 GOLDEN = json.loads(
     (Path(__file__).parent.parent / "fixtures" / "kv_events" / "expected.json").read_text()

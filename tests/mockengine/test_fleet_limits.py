@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mockengine.fleet import (
+from switchyard.mock.fleet import (
     ENGINES_PER_PROCESS,
     default_processes,
     limits_error,
@@ -19,7 +19,7 @@ from mockengine.fleet import (
     split,
     zmq_sockets,
 )
-from mockengine.settings import MockSettings
+from switchyard.mock.settings import MockSettings
 from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,12 +10,12 @@ import msgpack
 import pytest
 import zmq
 
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.core import EngineCore
-from mockengine.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from mockengine.kvevents import END_SEQ, KVEventPublisher, encode_batch, offset_endpoint_port
-from mockengine.settings import MockSettings
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore
+from switchyard.mock.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from switchyard.mock.kvevents import END_SEQ, KVEventPublisher, encode_batch, offset_endpoint_port
+from switchyard.mock.settings import MockSettings
 from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(30)

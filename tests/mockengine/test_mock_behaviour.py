@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.virtual import simulate
-from mockengine.tokenizer import ModelTokenizer
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.virtual import simulate
+from switchyard.mock.tokenizer import ModelTokenizer
 from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(60)

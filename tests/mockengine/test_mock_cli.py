@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mockengine.serve import describe, engine_config
-from mockengine.settings import MockSettings
+from switchyard.mock.serve import describe, engine_config
+from switchyard.mock.settings import MockSettings
 from tests.support import Server, free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.procs import free_port_block
+from switchyard.loadtest.procs import free_port_block
 from tests.support import REPO, wait_http
 
 pytestmark = pytest.mark.timeout(60)

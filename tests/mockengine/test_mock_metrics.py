@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.prom import samples, totals
+from switchyard.loadtest.prom import samples, totals
 from tests.support import Server, free_port
 
 pytestmark = pytest.mark.timeout(60)

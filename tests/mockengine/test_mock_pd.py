@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mockengine.epd import mm_hash
+from switchyard.mock.epd import mm_hash
 from tests.support import Server, free_port, metric
 
 pytestmark = pytest.mark.timeout(60)

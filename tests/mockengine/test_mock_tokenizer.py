@@ -6,8 +6,8 @@ import random
 
 from tokenizers import Tokenizer
 
-from mockengine import tokenizer as mock_tokenizer
-from mockengine.tokenizer import ModelTokenizer
+from switchyard.mock import tokenizer as mock_tokenizer
+from switchyard.mock.tokenizer import ModelTokenizer
 from tests.support import TOKENIZER_DIR
 
 WORDS = "the quick brown fox jumps over é 你好 a\n  b\tc end. <|im no|> 12,345".split(" ")

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from mockengine.engine import virtual
-from mockengine.engine.api import EngineRequest
-from mockengine.engine.config import EngineConfig
-from mockengine.engine.events import KVEventBatch
-from mockengine.engine.virtual import VirtualFleet, plain_decode_steps
+from switchyard.mock.engine import virtual
+from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.events import KVEventBatch
+from switchyard.mock.engine.virtual import VirtualFleet, plain_decode_steps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,7 +106,7 @@ def test_jump_ahead_matches_stepping_every_token(
 
 
 def test_a_step_that_completes_a_block_is_not_plain() -> None:
-    from mockengine.engine.core import EngineCore
+    from switchyard.mock.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=16))
     core.add_request(EngineRequest("a", list(range(1, 11)), 100))
@@ -116,7 +116,7 @@ def test_a_step_that_completes_a_block_is_not_plain() -> None:
 
 
 def test_the_step_that_ends_a_request_is_not_plain() -> None:
-    from mockengine.engine.core import EngineCore
+    from switchyard.mock.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=16))
     core.add_request(EngineRequest("a", list(range(1, 11)), 3))
@@ -125,7 +125,7 @@ def test_the_step_that_ends_a_request_is_not_plain() -> None:
 
 
 def test_nothing_is_plain_while_a_request_waits() -> None:
-    from mockengine.engine.core import EngineCore
+    from switchyard.mock.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(num_gpu_blocks=64, block_size=16))
     core.add_request(EngineRequest("a", list(range(1, 11)), 100))

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from loadtest.prom import values
+from switchyard.loadtest.prom import values
 from tests.support import Server, free_port, one_process
 
 MODEL = "mock-model"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from router.pd import wire
+from switchyard.router.pd import wire
 
 CHAT = {
     "model": "m",

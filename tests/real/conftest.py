@@ -18,7 +18,8 @@ import httpx
 import pytest
 import yaml
 
-from switchyard.realvllm import (
+from tests.support import TOKENIZER_DIR, Server, free_port
+from tools.realvllm import (
     BLOCK_SIZE,
     EngineOptions,
     VllmEngine,
@@ -27,7 +28,6 @@ from switchyard.realvllm import (
     vllm_available,
     wait_healthy,
 )
-from tests.support import TOKENIZER_DIR, Server, free_port
 
 MODEL = "switchyard-llama"
 # The routers started here have the admin API on (it is off without a key).

@@ -12,13 +12,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvstore.store import KVStore
-from kvstore.tokenize import RoutingTokenizer
-from router.parity import ParityChecker, ParityResult
-from switchyard.cli import run
-from switchyard.realvllm import BLOCK_SIZE, VllmEngine
+from switchyard.cli.main import run
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.router.parity import ParityChecker, ParityResult
 from tests.real.conftest import MODEL
 from tests.support import TOKENIZER_DIR
+from tools.realvllm import BLOCK_SIZE, VllmEngine
 
 
 def check(url: str) -> ParityResult:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.prom import values
-from switchyard.realvllm import VllmEngine
+from switchyard.loadtest.prom import values
 from tests.real.conftest import MODEL, reset_caches, start_router
+from tools.realvllm import VllmEngine
 
 
 def chat(topic: str, max_tokens: int = 1) -> dict:

@@ -7,10 +7,10 @@ from contextlib import ExitStack
 
 import httpx
 
-from loadtest.prom import values
-from switchyard.realvllm import VllmEngine
+from switchyard.loadtest.prom import values
 from tests.real.conftest import ADMIN_API_KEY, MODEL
 from tests.support import Server
+from tools.realvllm import VllmEngine
 
 LONG = {
     "model": MODEL,

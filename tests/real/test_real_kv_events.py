@@ -10,10 +10,10 @@ import httpx
 import yaml
 import zmq
 
-from loadtest.prom import values
-from switchyard.realvllm import BLOCK_SIZE, VllmEngine
+from switchyard.loadtest.prom import values
 from tests.real.conftest import ADMIN_API_KEY, MODEL, reset_caches
 from tests.support import TOKENIZER_DIR, Server, free_port, metric
+from tools.realvllm import BLOCK_SIZE, VllmEngine
 
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
 ACTUAL = "switchyard_router_actual_cached_tokens_total"

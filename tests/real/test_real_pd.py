@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from loadtest.prom import values
-from switchyard.realvllm import VllmEngine
+from switchyard.loadtest.prom import values
 from tests.real.conftest import MODEL, reset_caches
 from tests.support import TOKENIZER_DIR, Server, free_port, one_process
+from tools.realvllm import VllmEngine
 
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.metrics import FLUSH_INTERVAL_S
-from switchyard.realvllm import BLOCK_SIZE, EngineOptions, VllmEngine, launch_engine, wait_healthy
+from switchyard.router.metrics import FLUSH_INTERVAL_S
 from tests.real.conftest import MAX_MODEL_LEN, MODEL, reset_caches
 from tests.support import TOKENIZER_DIR, Server, free_port, metric
+from tools.realvllm import BLOCK_SIZE, EngineOptions, VllmEngine, launch_engine, wait_healthy
 
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
 ACTUAL = "switchyard_router_actual_cached_tokens_total"

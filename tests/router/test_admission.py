@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
-from balancer.worker import EngineSample
-from router.admission import STREAM, WHOLE, Admission, TTFTModel, calibrate
-from router.errors import RouterError
-from router.metrics import RouterMetrics
-from router.scheduler.framework import Context
-from switchyard.httpclient import ConnectionPool
+from switchyard.balancer.worker import EngineSample
+from switchyard.net.httpclient import ConnectionPool
+from switchyard.router.admission import STREAM, WHOLE, Admission, TTFTModel, calibrate
+from switchyard.router.errors import RouterError
+from switchyard.router.metrics import RouterMetrics
+from switchyard.router.scheduler.framework import Context
 from tests.router.test_kv_scheduling import FakeLoad, FakeWorker
 from tests.support import free_port
 

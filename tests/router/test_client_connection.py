@@ -12,7 +12,7 @@ import orjson
 import pytest
 from starlette.types import Message, Receive, Scope, Send
 
-from router.connections import CLIENT_GONE, ClientConnection, ConnectionLimits, Exchange
+from switchyard.router.connections import CLIENT_GONE, ClientConnection, ConnectionLimits, Exchange
 
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 LIMITS = ConnectionLimits(

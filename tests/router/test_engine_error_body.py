@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from router.errors import engine_error_body
+from switchyard.router.errors import engine_error_body
 
 VLLM_400 = {
     "error": {

@@ -9,12 +9,12 @@ import httpx
 import orjson
 import pytest
 
-from balancer.settings import BalancerSettings
-from balancer.worker import Worker, WorkerSpec
-from router.admission import STREAM, WHOLE, Expected, TTFTModel
-from router.forward import FirstByteDeadlines
-from router.request import CHAT, COMPLETIONS, RoutedRequest, parse
-from router.scheduler.framework import Context
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Worker, WorkerSpec
+from switchyard.router.admission import STREAM, WHOLE, Expected, TTFTModel
+from switchyard.router.forward import FirstByteDeadlines
+from switchyard.router.request import CHAT, COMPLETIONS, RoutedRequest, parse
+from switchyard.router.scheduler.framework import Context
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
 from tests.router.test_router_errors import assert_openai_error

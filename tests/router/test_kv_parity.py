@@ -14,11 +14,12 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from balancer.siblings import SiblingBus
-from kvstore.ingest import StoredTokens
-from kvstore.store import KVStore
-from kvstore.tokenize import RoutingTokenizer
-from router.parity import (
+from switchyard.balancer.siblings import SiblingBus
+from switchyard.cli.main import run
+from switchyard.kvstore.ingest import StoredTokens
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.router.parity import (
     PARITY,
     ParityChecker,
     ParityMonitor,
@@ -26,7 +27,6 @@ from router.parity import (
     event_chain,
     likely_cause,
 )
-from switchyard.cli import run
 from tests.support import TOKENIZER_DIR, Server, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -172,7 +172,7 @@ def test_the_monitor_reports_a_verdict_to_the_gauge_the_worker_and_one_log_line(
 ) -> None:
     from prometheus_client import CollectorRegistry
 
-    from router.parity import ParityMonitor
+    from switchyard.router.parity import ParityMonitor
 
     registry = CollectorRegistry()
     store = KVStore(block_size=16)

@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from balancer.settings import BalancerSettings
-from balancer.worker import Worker, WorkerSpec
-from kvstore.index import Location
-from kvstore.store import KVStore
-from kvstore.tokenize import RoutingTokenizer
-from router.kv import KVAwareness
-from router.metrics import RouterMetrics
-from router.scheduler.framework import Context
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Worker, WorkerSpec
+from switchyard.kvstore.index import Location
+from switchyard.kvstore.store import KVStore
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.router.kv import KVAwareness
+from switchyard.router.metrics import RouterMetrics
+from switchyard.router.scheduler.framework import Context
 from tests.support import TOKENIZER_DIR
 
 TEXT = " ".join(f"word{i % 97} token{i % 13}" for i in range(400))

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from balancer.siblings import SiblingBus
-from kvstore.store import KVStore, LookupResult
-from kvstore.tokenize import RoutingTokenizer
-from router.kv import EmbeddedPrefixes
-from router.scheduler.framework import Context
+from switchyard.balancer.siblings import SiblingBus
+from switchyard.kvstore.store import KVStore, LookupResult
+from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.router.kv import EmbeddedPrefixes
+from switchyard.router.scheduler.framework import Context
 from tests.balancer.fleet_stubs import eventually
 from tests.support import TOKENIZER_DIR
 

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.prom import values
+from switchyard.loadtest.prom import values
 from tests.router.conftest import StartRouter
 from tests.support import TOKENIZER_DIR, Server, free_port
 

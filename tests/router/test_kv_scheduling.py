@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvstore.index import Match
-from kvstore.store import LookupResult
-from router.scheduler.framework import Context
-from router.scheduler.guard import BoundedLoadGuard
-from router.scheduler.policies import build_scheduler
+from switchyard.kvstore.index import Match
+from switchyard.kvstore.store import LookupResult
+from switchyard.router.scheduler.framework import Context
+from switchyard.router.scheduler.guard import BoundedLoadGuard
+from switchyard.router.scheduler.policies import build_scheduler
 
 
 @dataclass

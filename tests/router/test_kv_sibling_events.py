@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from balancer.siblings import SiblingBus
-from kvstore.store import KVStore
-from mockengine.engine.events import BlockRemoved, KVEventBatch
-from mockengine.kvevents import KVEventPublisher
-from router.kv import TAKE_OVER_S, EmbeddedPrefixes
+from switchyard.balancer.siblings import SiblingBus
+from switchyard.kvstore.store import KVStore
+from switchyard.mock.engine.events import BlockRemoved, KVEventBatch
+from switchyard.mock.kvevents import KVEventPublisher
+from switchyard.router.kv import TAKE_OVER_S, EmbeddedPrefixes
 from tests.kvstore.test_kv_ingest_live import TOKENS, eventually, joined, matched, publisher, stored
 from tests.router.test_kv_probe import processes
 

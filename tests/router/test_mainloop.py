@@ -7,7 +7,7 @@ import signal
 
 import uvicorn
 
-from router.mainloop import install, request_exit
+from switchyard.router.mainloop import install, request_exit
 
 
 class CountingServer(uvicorn.Server):

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from loadtest.prom import values as sample_values
-from router.metrics import (
+from switchyard.loadtest.prom import values as sample_values
+from switchyard.router.metrics import (
     FLUSH_INTERVAL_S,
     METRICS_DIR_ENV,
     flush_metric_files,

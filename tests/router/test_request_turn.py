@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from router.request import CHAT, COMPLETIONS, parse
+from switchyard.router.request import CHAT, COMPLETIONS, parse
 
 
 def turn_of(route: str, body: dict) -> str:

@@ -3,9 +3,9 @@ worker whose first byte was late while another may still answer."""
 
 from __future__ import annotations
 
-from balancer.settings import BalancerSettings
-from balancer.worker import Worker, WorkerSpec
-from router.forward import next_worker
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Worker, WorkerSpec
+from switchyard.router.forward import next_worker
 
 
 def workers(n: int) -> list[Worker]:

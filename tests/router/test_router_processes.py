@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from loadtest.prom import values
-from router.kv import COUNTER_SYNC_S
-from router.metrics import FLUSH_INTERVAL_S
+from switchyard.loadtest.prom import values
+from switchyard.router.kv import COUNTER_SYNC_S
+from switchyard.router.metrics import FLUSH_INTERVAL_S
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
 from tests.support import TOKENIZER_DIR, redis_server

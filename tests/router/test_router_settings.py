@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from balancer.settings import BalancerSettings
-from kvstore.memory import MemoryIndex
-from kvstore.settings import KVStoreSettings
-from router.settings import RouterSettings, usable_cores
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.kvstore.memory import MemoryIndex
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.router.settings import RouterSettings, usable_cores
 
 
 @pytest.fixture
@@ -121,6 +121,6 @@ def test_an_old_name_is_read_with_a_warning_that_names_the_new_one(
 ) -> None:
     config = tmp_path / "old.yaml"
     config.write_text("balancer:\n  lease_seconds: 4\n")
-    with caplog.at_level("WARNING", logger="switchyard.settings"):
+    with caplog.at_level("WARNING", logger="switchyard.core.settings"):
         assert BalancerSettings.load(config).lease_s == 4.0
     assert "lease_seconds is now called lease_s" in caplog.text

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from router.scheduler.framework import Context, Scheduler
-from router.scheduler.pickers import ConsistentHashPicker, MaxScorePicker
-from router.scheduler.policies import PolicyError, build_scheduler
-from router.scheduler.scorers import KVAwareScorer, SessionAffinityScorer
+from switchyard.router.scheduler.framework import Context, Scheduler
+from switchyard.router.scheduler.pickers import ConsistentHashPicker, MaxScorePicker
+from switchyard.router.scheduler.policies import PolicyError, build_scheduler
+from switchyard.router.scheduler.scorers import KVAwareScorer, SessionAffinityScorer
 
 
 @dataclass

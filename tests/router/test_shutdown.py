@@ -14,8 +14,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
-from router.settings import RouterSettings
+from switchyard.router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
+from switchyard.router.settings import RouterSettings
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port, one_process
 

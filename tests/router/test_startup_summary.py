@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.server import startup_summary
-from router.settings import RouterSettings
+from switchyard.router.server import startup_summary
+from switchyard.router.settings import RouterSettings
 
 
 def summary(**flags: object) -> str:

@@ -13,10 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from router.errors import RouterError
-from router.settings import RouterSettings
-from router.tenants import TenantRequests, outcome_of
-from switchyard.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
+from switchyard.core.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
+from switchyard.router.errors import RouterError
+from switchyard.router.settings import RouterSettings
+from switchyard.router.tenants import TenantRequests, outcome_of
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port, one_process
 

@@ -9,15 +9,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from balancer import BalancerSettings, Fleet, Outcome, Worker, WorkerSpec
-from router.errors import RouterError
-from router.forward import Forwarder
-from router.metrics import RouterMetrics
-from router.pd.legs import LegError, call_json
-from router.relay import Relay
-from router.request import COMPLETIONS, parse
-from router.scheduler.framework import Context
-from router.upstream import outcome_of
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import Outcome, Worker, WorkerSpec
+from switchyard.router.errors import RouterError
+from switchyard.router.forward import Forwarder
+from switchyard.router.metrics import RouterMetrics
+from switchyard.router.pd.legs import LegError, call_json
+from switchyard.router.relay import Relay
+from switchyard.router.request import COMPLETIONS, parse
+from switchyard.router.scheduler.framework import Context
+from switchyard.router.upstream import outcome_of
 from tests.support import free_port
 
 pytestmark = pytest.mark.timeout(30)

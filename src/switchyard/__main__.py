@@ -1,0 +1,3 @@
+from switchyard.cli.main import main
+
+main()

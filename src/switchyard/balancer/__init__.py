@@ -1,0 +1,1 @@
+"""The fleet: worker registry, health, load signals and DP-rank choice."""

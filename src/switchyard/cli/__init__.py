@@ -1,0 +1,1 @@
+"""The ``switchyard`` command: the only package that imports every service."""

@@ -1,0 +1,1 @@
+"""The ground floor: errors, keys, labels, settings and CLI generation; no service imports."""

@@ -1,0 +1,127 @@
+"""Open-loop replay: every request leaves at its arrival time, whether or not others returned.
+
+A closed loop (N users waiting for answers) slows down with the system under test and
+hides overload; an open loop keeps offering the workload's rate, so queueing shows up
+in TTFT where it belongs. Each request streams (SSE) with ``include_usage`` so the
+engine's own prompt and cached token counts come back with the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from switchyard.loadtest.workload import Workload
+
+
+@dataclass
+class Result:
+    """What one request measured (seconds, wall clock, relative to the replay start)."""
+
+    index: int
+    sent_s: float
+    ok: bool = False
+    status: int = 0
+    error: str = ""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    done_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (vLLM's TPOT)."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, res: Result) -> None:
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = orjson.loads(data)
+                if "error" in chunk:
+                    res.error = str(chunk["error"])[:200]
+                    return
+                now = time.perf_counter()
+                for choice in chunk.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if delta.get("content") or choice.get("text"):
+                        if last is None:
+                            res.ttft_s = now - start
+                        else:
+                            res.itl_s.append(now - last)
+                        last = now
+                usage = chunk.get("usage")
+                if usage:
+                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    res.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+        res.e2e_s = time.perf_counter() - start
+        res.done_s = res.sent_s + res.e2e_s
+        res.ok = res.ttft_s is not None
+        if not res.ok:
+            res.error = "stream ended without a token"
+    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def replay(
+    base_url: str,
+    workload: Workload,
+    model: str,
+    timeout_s: float = 120.0,
+    on_done: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Send every request of ``workload`` to ``base_url`` at its arrival time; all results."""
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    bodies = [orjson.dumps(r.body(model)) for r in workload.requests]
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    results: list[Result] = []
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        t0 = time.perf_counter()
+        tasks = []
+        for req, body in zip(workload.requests, bodies, strict=True):
+            delay = t0 + req.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            res = Result(req.index, time.perf_counter() - t0)
+            results.append(res)
+            tasks.append(asyncio.create_task(_run(session, url, body, res, on_done)))
+        await asyncio.gather(*tasks)
+    return results
+
+
+async def _run(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    res: Result,
+    on_done: Callable[[Result], None] | None,
+) -> None:
+    await _one(session, url, body, res)
+    if on_done is not None:
+        on_done(res)

@@ -1,0 +1,94 @@
+"""Reports of a simulation: bench compare's table and JSON, and plots that scale to big fleets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from switchyard.loadtest.report import render_table, to_json
+from switchyard.loadtest.simulate import SimOutcome
+
+
+def print_table(outcome: SimOutcome, console: Console) -> None:
+    console.print(render_table(outcome.as_compare()))
+    cfg = outcome.config
+    console.print(
+        f"simulated: {outcome.sim_s:.1f} s of model time in {outcome.wall_s:.1f} s wall "
+        f"(×{outcome.sim_s / outcome.wall_s if outcome.wall_s else 0:.0f}; "
+        f"{outcome.cpu_s:.1f} s CPU; setup "
+        f"{outcome.setup_wall_s:.1f} s), {cfg.engines} engines × {cfg.dp_size} DP rank(s), "
+        f"peak RSS {outcome.peak_rss_bytes / 2**20:.0f} MiB. No HTTP, client or router CPU "
+        f"time is in these latencies; KV events are applied at the step that emits them."
+    )
+
+
+def write_reports(outcome: SimOutcome, out: Path) -> list[Path]:
+    """``simulate.json`` (bench compare's shape plus the simulation's figures) and the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = to_json(outcome.as_compare())
+    data["simulation"] = outcome.headline()
+    path = out / "simulate.json"
+    path.write_text(json.dumps(data, indent=2))
+    return [path, *plot(outcome, out)]
+
+
+def plot(outcome: SimOutcome, out: Path) -> list[Path]:
+    """TTFT CDF per policy, hit rate against the ceiling, and requests per engine sorted
+    (a curve rather than one bar per engine, so a thousand engines stay readable)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    name = outcome.workload.name
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in outcome.runs:
+        xs = sorted(run.ttft_ms)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=run.policy)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.set_xlabel("time to first token, ms (simulated, log scale)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(f"TTFT CDF, {name}, {outcome.config.engines} engines (simulated)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "ttft_cdf.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    policies = [r.policy for r in outcome.runs]
+    bars = ax.bar(policies, [r.summary.hit_rate for r in outcome.runs], color="tab:blue")
+    ax.bar_label(bars, fmt="%.3f")
+    ax.axhline(outcome.ceiling.bounded_hit_rate, color="black", ls="--", label="ceiling")
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("fleet prefix-cache hit rate (cached / prompt tokens)")
+    ax.set_title(f"Hit rate, {name} (simulated)")
+    ax.legend(loc="lower right")
+    paths.append(_save(fig, out / "hit_rate.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in outcome.runs:
+        served = sorted(run.summary.per_engine, reverse=True)
+        ax.plot(range(1, len(served) + 1), served, label=run.policy)
+    ax.set_xlabel("engines, busiest first")
+    ax.set_ylabel("requests served")
+    ax.set_title(f"Load spread, {name} (simulated)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "load_spread.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

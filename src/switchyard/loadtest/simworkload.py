@@ -1,0 +1,154 @@
+"""Workloads as token ids, for the simulator.
+
+Every named loadtest workload is tokenized exactly as a mock engine tokenizes its chat
+messages (so a simulated run and an HTTP run of the same workload see the same tokens).
+The Mooncake trace is the exception: tokenizing its ~12k-token prompts would cost more
+than simulating them, so its token ids are built from the trace's block ids directly,
+one fixed run of ids per block id (equal ids share tokens exactly, a cut block is a
+prefix of the whole), one request at a time as it arrives. Its parameters are
+``MooncakeParams``' (``speedup`` scales the rate, ``block_tokens`` the prompt size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from switchyard.loadtest.ceiling import workload_prompts
+from switchyard.loadtest.workload import Request, Workload
+from switchyard.loadtest.workloads import WORKLOADS, build_workload
+from switchyard.loadtest.workloads.mooncake import TRACE_BLOCK_TOKENS, MooncakeParams
+from switchyard.mock.settings import DEFAULT_TOKENIZER
+from switchyard.mock.tokenizer import ModelTokenizer
+
+# One arrival: (index, arrival seconds, prompt token ids, output tokens).
+Arrival = tuple[int, float, list[int], int]
+
+
+@dataclass
+class _Row:
+    arrival_s: float
+    input_tokens: int
+    max_tokens: int
+    hash_ids: list[int]
+
+
+@dataclass
+class SimWorkload:
+    """Timed requests whose prompts are token ids (built on demand for large traces)."""
+
+    name: str
+    seed: int
+    params: dict[str, Any]
+    arrivals_s: list[float]
+    max_tokens: list[int]
+    output_token_ids: list[int] | None
+    prompts_list: list[list[int]] | None = None
+    rows: list[_Row] = field(default_factory=list)
+    block_tokens: int = TRACE_BLOCK_TOKENS
+
+    def __len__(self) -> int:
+        return len(self.arrivals_s)
+
+    def prompt(self, index: int) -> list[int]:
+        if self.prompts_list is not None:
+            return self.prompts_list[index]
+        row = self.rows[index]
+        bt = self.block_tokens
+        ids: list[int] = []
+        for k, h in enumerate(row.hash_ids):
+            n = min(bt, row.input_tokens - k * bt)
+            if n <= 0:
+                break
+            start = h * bt
+            ids.extend(range(start, start + n))
+        return ids
+
+    def prompts(self) -> Iterator[list[int]]:
+        return (self.prompt(i) for i in range(len(self)))
+
+    def requests(self) -> Iterator[Arrival]:
+        for i, (t, out) in enumerate(zip(self.arrivals_s, self.max_tokens, strict=True)):
+            yield i, t, self.prompt(i), out
+
+    def output_lengths(self) -> list[int]:
+        return list(self.max_tokens)
+
+    def as_workload(self) -> Workload:
+        """The loadtest description (no messages) for reports."""
+        requests = [
+            Request(i, t, [], out)
+            for i, (t, out) in enumerate(zip(self.arrivals_s, self.max_tokens, strict=True))
+        ]
+        return Workload(self.name, self.seed, requests, dict(self.params))
+
+
+def sim_workload(name: str, seed: int, params: dict[str, Any]) -> SimWorkload:
+    if name == "mooncake":
+        return mooncake_tokens(seed, _params(MooncakeParams, params))
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    workload = build_workload(name, seed, **params)
+    filler = ModelTokenizer(DEFAULT_TOKENIZER).filler_token_id
+    return SimWorkload(
+        workload.name,
+        seed,
+        dict(workload.params),
+        [r.arrival_s for r in workload.requests],
+        [r.max_tokens for r in workload.requests],
+        [filler],
+        prompts_list=workload_prompts(workload),
+    )
+
+
+def _params(cls: type[MooncakeParams], given: dict[str, Any]) -> MooncakeParams:
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise ValueError(f"workload 'mooncake' has no parameter(s) {', '.join(unknown)}")
+    return cls(**{k: v for k, v in given.items() if v is not None})
+
+
+def mooncake_tokens(seed: int, p: MooncakeParams) -> SimWorkload:
+    path = Path(p.trace)
+    if not path.exists():
+        raise ValueError(f"Mooncake trace not found at {path} (see --trace)")
+    if p.speedup <= 0 or p.block_tokens <= 0:
+        raise ValueError("mooncake speedup and block_tokens must be positive")
+    end = None if p.limit is None else p.start + p.limit
+    rows: list[_Row] = []
+    scale = p.block_tokens / TRACE_BLOCK_TOKENS
+    t0: float | None = None
+    with path.open() as lines:
+        for k, line in enumerate(lines):
+            if k < p.start or not line.strip():
+                continue
+            if end is not None and k >= end:
+                break
+            raw = json.loads(line)
+            t0 = raw["timestamp"] if t0 is None else t0
+            out = max(1, int(raw["output_length"]))
+            if p.max_output_tokens is not None:
+                out = min(out, p.max_output_tokens)
+            rows.append(
+                _Row(
+                    (raw["timestamp"] - t0) / 1000.0 / p.speedup,
+                    max(1, round(raw["input_length"] * scale)),
+                    out,
+                    list(raw["hash_ids"]),
+                )
+            )
+    return SimWorkload(
+        "mooncake",
+        seed,
+        dict(vars(p)),
+        [r.arrival_s for r in rows],
+        [r.max_tokens for r in rows],
+        None,
+        rows=rows,
+        block_tokens=p.block_tokens,
+    )

@@ -1,0 +1,1 @@
+"""Mock engines: vLLM- and SGLang-shaped servers over a simulated engine core."""

@@ -1,0 +1,40 @@
+"""``switchyard router``: flags generated from :class:`RouterSettings`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from switchyard.core.cliopts import CliError, require_tokenizer, settings_command
+from switchyard.router.settings import RouterSettings
+
+# The short spellings the README and deploy/ use.
+ALIASES = {
+    "workers": ["--worker", "-w"],
+    "redis_url": ["--redis", "--redis-url"],
+    "pd.prefill": ["--prefill"],
+    "pd.decode": ["--decode"],
+    "pd.encode": ["--encode"],
+}
+
+
+def command() -> click.Command:
+    return settings_command(
+        "router",
+        RouterSettings,
+        _run,
+        help="Run the OpenAI-compatible router in front of a fleet of engines.",
+        aliases=ALIASES,
+    )
+
+
+def _run(settings: RouterSettings, config: Path | None) -> None:
+    from switchyard.router.server import preflight, run
+
+    require_tokenizer(settings.tokenizer, "--tokenizer")
+    try:
+        preflight(settings)
+    except ValueError as exc:
+        raise CliError(" ".join(str(exc).split())) from None
+    run(settings, config)

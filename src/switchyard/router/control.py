@@ -1,0 +1,186 @@
+"""The router's control plane: health, readiness, models, metrics and the admin API (FastAPI)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from switchyard.balancer.admin import admin_router
+from switchyard.balancer.worker import Role
+from switchyard.core.auth import RequireKey, admin_access, data_access, startup_line
+from switchyard.core.errors import install_error_handlers
+from switchyard.router.metrics import METRICS_DIR_ENV, flush_metric_files
+from switchyard.router.settings import RouterSettings
+
+if TYPE_CHECKING:
+    from switchyard.router.app import RouterApp
+
+log = logging.getLogger("switchyard.router")
+
+
+class _FleetCollector(Collector):
+    """In-flight per worker, read from the fleet at scrape time (nothing on the hot path)."""
+
+    def __init__(self, router: RouterApp) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        inflight = GaugeMetricFamily(
+            "switchyard_router_inflight_requests",
+            "Requests in flight per worker, as the router counts them.",
+            labels=["worker"],
+        )
+        healthy = GaugeMetricFamily(
+            "switchyard_router_worker_routable",
+            "1 if the worker takes new requests now (healthy, circuit closed, not draining).",
+            labels=["worker"],
+        )
+        estimating = GaugeMetricFamily(
+            "switchyard_router_kv_estimating",
+            "1 where the router estimates a worker's cache from its own placements "
+            "(approximate mode: the engine publishes no KV events).",
+            labels=["worker"],
+        )
+        kv = self.router.kv
+        routable = {w.id for w in self.router.fleet.candidates(None)}
+        for worker in self.router.fleet.workers():
+            inflight.add_metric([worker.id], worker.inflight)
+            healthy.add_metric([worker.id], 1.0 if worker.id in routable else 0.0)
+            if kv is not None:
+                estimating.add_metric([worker.id], 1.0 if kv.estimating(worker) else 0.0)
+        yield inflight
+        yield healthy
+        yield estimating
+        if kv is not None:
+            prompt = _total(kv.prompt)
+            yield GaugeMetricFamily(
+                "switchyard_router_fleet_hit_rate",
+                "Cached / prompt tokens the engines reported, over answered requests.",
+                value=_total(kv.actual) / prompt if prompt else 0.0,
+            )
+
+
+def _total(counter: Counter) -> float:
+    """A counter's value, read through its public ``collect()``."""
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                return sample.value
+    return 0.0
+
+
+def observability_access(settings: RouterSettings) -> RequireKey:
+    """Who may read /metrics (it lists the worker URLs), /docs and /openapi.json.
+
+    ``metrics_auth``: ``none`` (open), ``api_key`` (a data key or the admin key; open while
+    no data key is set), ``admin_key`` (the admin key; refused while none is set), or
+    ``auto``: ``admin_key`` once an admin key is set, else ``none``.
+    """
+    rule = settings.metrics_auth
+    if rule == "auto":
+        rule = "admin_key" if settings.admin_api_key else "none"
+    if rule == "admin_key":
+        return admin_access(settings.admin_api_key)
+    if rule == "api_key":
+        return data_access(settings.api_key, settings.admin_api_key)
+    return data_access(None)
+
+
+def build_control_app(router: RouterApp) -> FastAPI:
+    app = FastAPI(
+        title="Switchyard router",
+        description="OpenAI-compatible router: control plane (the inference routes are "
+        "POST /v1/completions, /v1/chat/completions and /v1/embeddings).",
+        version="0.1.0",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    observers = [Depends(observability_access(router.settings))]
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=observers)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=observers)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=observers)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
+
+    router.metrics.register_live(_FleetCollector(router))
+
+    install_error_handlers(app)
+    settings = router.settings
+    log.log(
+        logging.INFO if settings.admin_api_key else logging.WARNING,
+        startup_line("router", settings.admin_api_key, settings.api_key),
+    )
+
+    @app.get("/health", summary="The router process is alive")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready", summary="At least one worker, or a prefill/decode pair, is routable")
+    async def ready() -> JSONResponse:
+        fleet = router.fleet
+        prefill, decode = fleet.candidates(None, Role.PREFILL), fleet.candidates(None, Role.DECODE)
+        routable = len(fleet.candidates(None))
+        if prefill and decode:  # a P/D router serves through the pair (2026-12-01: it never
+            routable += len(prefill) + len(decode)  # answered ready with P/D workers only)
+        if router.draining:
+            return JSONResponse(
+                status_code=503,
+                content={"status": "shutting_down", "routable_workers": routable},
+                headers={"retry-after": str(router.settings.retry_after_s)},
+            )
+        if routable == 0:
+            return JSONResponse(
+                status_code=503,
+                content={"status": "unavailable", "routable_workers": 0},
+                headers={"retry-after": str(router.settings.retry_after_s)},
+            )
+        return JSONResponse({"status": "ready", "routable_workers": routable})
+
+    @app.get("/metrics", summary="Prometheus metrics", dependencies=observers)
+    async def metrics() -> Response:
+        registry = router.metrics.registry
+        for sync in router.metrics.before_scrape:
+            sync()
+        if METRICS_DIR_ENV in os.environ:
+            # One of several processes, each writing its samples to files: sum them all,
+            # whichever answers. The live gauges are the answering process's own view.
+            flush_metric_files()
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # unannotated upstream
+            for collector in router.metrics.live:
+                registry.register(collector)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get(
+        "/v1/models", dependencies=[Depends(router.api_key)], summary="Union of the workers' models"
+    )
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
+                for m in sorted(router.fleet.models())
+            ],
+        }
+
+    app.include_router(admin_router(router.fleet, admin_access(settings.admin_api_key)))
+
+    return app

@@ -1,0 +1,392 @@
+"""One routed request: try the scheduler's choices in order, relay the first answer.
+
+Layered as httpx layers ``send``: ``forward`` is the retry loop, ``_attempt`` one
+accounted call to one worker (``router.upstream.Call``), ``_relay_response`` the
+relay of its answer to the client. Retries happen only before any byte reached the
+client: on connect errors, timeouts waiting for the response head, and 502/503 from
+the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client import Histogram
+from starlette.types import Send
+
+from switchyard.balancer.view import FleetView
+from switchyard.balancer.worker import Outcome, Ticket, Worker
+from switchyard.net.httpclient import Response
+from switchyard.router.admission import Expected, TTFTModel
+from switchyard.router.errors import RouterError, engine_error_body
+from switchyard.router.kv import KVAwareness
+from switchyard.router.metrics import RouterMetrics
+from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
+from switchyard.router.request import COMPLETIONS, RoutedRequest
+from switchyard.router.scheduler.framework import Context
+from switchyard.router.upstream import Call, Unsent
+
+RETRYABLE_STATUS = frozenset({502, 503})
+WORKER_HEADER = b"x-switchyard-worker"
+# Failures before the response head that another worker may well not have.
+_RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
+# max_tokens of a completion that omits it: the OpenAI API's default, which vLLM and SGLang
+# apply too (a chat's default is the rest of the context).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def queued_prefill(ctx: Context, worker: Worker) -> int | None:
+    """Prompt tokens ``worker`` must compute (its uncached part); None without a lookup."""
+    return ctx.uncached(worker.id) if ctx.prefix is not None else None
+
+
+def next_worker(ranked: list[Worker], attempt: int, timed_out: list[Worker]) -> Worker:
+    """The worker of attempt ``attempt``: the policy's order in turn, skipping workers whose
+    first byte was already late for this request. When every worker was late, the one late
+    most recently: an engine that hangs is tried first and late first, and the last attempt
+    (which waits the full cap) must not go back to it (2026-12-01: with two workers, one hung
+    by SIGSTOP, 1 of 48 requests went hung -> loaded -> hung and waited out the cap)."""
+    turn = attempt % len(ranked)
+    if not timed_out:  # every first attempt: no list built on the request path
+        return ranked[turn]
+    rotated = ranked[turn:] + ranked[:turn]
+    for worker in rotated:
+        if all(w is not worker for w in timed_out):
+            return worker
+    return timed_out[-1]
+
+
+class _Retry(Exception):
+    """An attempt failed before any byte reached the client; ``error`` is what the client
+    gets if no later attempt answers (None: keep the previous one)."""
+
+    def __init__(self, reason: str, error: RouterError | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class FirstByteDeadlines:
+    """How long a worker may take for its first byte while another could still answer.
+
+    The worker's predicted TTFT (its learned rate for the prompt's uncached part plus its
+    queue) times ``slack``, plus ``base_s``. A non-streamed answer comes whole, so it adds
+    ``output_token_allowance_s`` per output token: its ``max_tokens``, else the API's
+    default for completions (16). A chat without ``max_tokens`` may generate up to the
+    context, so its deadline is the learned time of whole answers instead (the prediction
+    of the "whole" kind, scaled by their observed 90th-percentile spread), once the worker
+    or the fleet has answered some; before that it has only the relay's cap. Never more
+    than the cap; the last attempt always has the whole cap, so an answer slower than
+    its deadline is retried, not lost.
+    """
+
+    base_s: float
+    slack: float
+    output_token_allowance_s: float
+
+    def of(self, req: RoutedRequest, expected: Expected | None, cap_s: float) -> float | None:
+        deadline = self.base_s
+        if expected is not None:
+            deadline += self.slack * expected.predicted_s
+        if not req.stream:
+            output = output_tokens(req)
+            if output is not None:
+                deadline += output * self.output_token_allowance_s
+            elif expected is not None and expected.learned:
+                deadline = self.base_s + self.slack * expected.spread * expected.predicted_s
+            else:
+                return None
+        return min(deadline, cap_s)
+
+
+def output_tokens(req: RoutedRequest) -> int | None:
+    """The most tokens a non-streamed answer can have, if the request bounds it."""
+    output = req.data.get("max_tokens") or req.data.get("max_completion_tokens")
+    if isinstance(output, int) and not isinstance(output, bool) and output > 0:
+        return output
+    return COMPLETIONS_DEFAULT_MAX_TOKENS if req.route == COMPLETIONS else None
+
+
+class Forwarder:
+    def __init__(
+        self,
+        fleet: FleetView,
+        relay: Relay,
+        metrics: RouterMetrics,
+        *,
+        max_attempts: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        kv: KVAwareness | None = None,
+        ttft_model: TTFTModel | None = None,
+        deadlines: FirstByteDeadlines | None = None,
+    ) -> None:
+        """``deadlines``: when a worker's first byte is late enough to try another (None:
+        only the relay's first-byte timeout)."""
+        self.fleet = fleet
+        self.relay = relay
+        self.metrics = metrics
+        self.max_attempts = max(1, max_attempts)
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.kv = kv
+        self.ttft_model = ttft_model
+        self.deadlines = deadlines
+        self._rng = random.Random()
+
+    def rank_for(self, ctx: Context, worker: Worker) -> int | None:
+        """The DP rank holding the prefix if any, else the balancer's choice."""
+        if worker.dp_size > 1 and ctx.matched.get(worker.id, 0.0) > 0:
+            return ctx.matched_rank[worker.id]
+        return self.fleet.choose_rank(worker, prompt_tokens=ctx.prompt_tokens)
+
+    async def place(self, ctx: Context, worker: Worker) -> int | None:
+        """Commit the request to ``worker``: its DP rank, recorded as a KV placement.
+
+        The simulator (``loadtest.simulate``) commits its decisions through here as well.
+        """
+        rank = self.rank_for(ctx, worker)
+        if self.kv is not None:
+            await self.kv.placed(ctx, worker, rank)
+        return rank
+
+    async def forward(
+        self,
+        req: RoutedRequest,
+        ctx: Context,
+        ranked: list[Worker],
+        headers: dict[str, str],
+        request_id: bytes,
+        send: Send,
+        started: float,
+    ) -> tuple[int, str]:
+        """Relay the answer of the first worker that gives one; returns (status, worker id)."""
+        error: RouterError | None = None
+        attempts = self.max_attempts
+        timed_out: list[Worker] = []  # in the order their first byte was late
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            worker = next_worker(ranked, attempt, timed_out)
+            last = attempt + 1 == attempts
+            try:
+                return await self._attempt(
+                    req, ctx, worker, headers, request_id, send, started, last, len(ranked) > 1
+                )
+            except _Retry as retry:
+                self.metrics.retries.labels(retry.reason).inc()
+                error = retry.error or error
+                if retry.reason.endswith(str(Outcome.TIMEOUT)):
+                    timed_out = [w for w in timed_out if w is not worker] + [worker]
+        self.metrics.retries.labels("exhausted").inc()
+        assert error is not None
+        raise error
+
+    async def _attempt(
+        self,
+        req: RoutedRequest,
+        ctx: Context,
+        worker: Worker,
+        headers: dict[str, str],
+        request_id: bytes,
+        send: Send,
+        started: float,
+        last: bool,
+        others: bool,
+    ) -> tuple[int, str]:
+        """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
+        failed before the client saw a byte and another worker may try.
+
+        While a later attempt can go to another worker (``others`` and not ``last``), the
+        first byte must come within ``deadlines``; otherwise within the relay's cap."""
+        expected = (
+            self.ttft_model.expect(ctx, worker, req.stream) if self.ttft_model is not None else None
+        )
+        rank = await self.place(ctx, worker)
+        call = Call(
+            self.fleet,
+            worker,
+            rank,
+            req.route,
+            headers,
+            prompt_tokens=ctx.prompt_tokens,
+            prefill_tokens=queued_prefill(ctx, worker),
+        )
+        deadlines = self.deadlines
+        deadline_s = (
+            deadlines.of(req, expected, self.relay.first_byte_timeout_s)
+            if deadlines is not None and others and not last
+            else None
+        )
+        due = None if deadline_s is None else time.monotonic() + deadline_s
+        began = time.perf_counter()
+        try:
+            with call:
+                resp = await self.relay.open(call.url, req.body, call.headers, deadline_s)
+                try:
+                    status = resp.status
+                    call.head(status)
+                    if status in RETRYABLE_STATUS:
+                        if last:
+                            self.metrics.retries.labels("exhausted").inc()
+                            await self._relay_whole(resp, request_id, send, worker)
+                            return status, worker.id
+                        await resp.read()
+                    else:
+                        tail = await self._relay_response(
+                            req,
+                            resp,
+                            request_id,
+                            send,
+                            (started, began),
+                            call.ticket,
+                            expected,
+                            ctx,
+                            rank,
+                            due,
+                        )
+                        if self.kv is not None and status == 200:
+                            self.kv.observe_usage(ctx, worker.id, tail)
+                        return status, worker.id
+                finally:
+                    resp.close()
+        except Unsent as unsent:
+            raise _Retry(
+                f"unsent_{call.outcome}", self._upstream_error(unsent.cause, worker, answered=True)
+            ) from None
+        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+            if call.answered or call.outcome not in _RETRIED:
+                raise self._upstream_error(exc, worker, answered=call.answered) from None
+            tried = {WORKER_HEADER.decode(): worker.id}
+            if call.outcome is Outcome.TIMEOUT:
+                error = RouterError(
+                    504, f"Upstream timeout: {exc}", code="upstream_timeout", headers=tried
+                )
+            else:
+                error = RouterError(
+                    502, f"Upstream unreachable: {exc}", code="upstream_unreachable", headers=tried
+                )
+            raise _Retry(str(call.outcome), error) from None
+        raise _Retry(f"status_{status}")
+
+    async def _relay_whole(
+        self, resp: Response, request_id: bytes, send: Send, worker: Worker
+    ) -> None:
+        """The last worker's 502/503 goes to the client as it answered."""
+        body = await self.relay.read_all(resp)
+        headers = response_headers(resp, request_id)
+        headers.append((WORKER_HEADER, worker.id.encode()))
+        await send_complete(send, resp.status, headers, body)
+
+    async def _relay_response(
+        self,
+        req: RoutedRequest,
+        resp: Response,
+        request_id: bytes,
+        send: Send,
+        clocks: tuple[float, float],
+        ticket: Ticket,
+        expected: Expected | None,
+        ctx: Context,
+        rank: int | None,
+        due: float | None,
+    ) -> bytes:
+        """Send the worker's answer to the client; return the bytes where usage would be.
+
+        Nothing reaches the client before the first chunk of a stream (or the whole of
+        another answer), so until then a failure raises ``Unsent`` and another worker may
+        answer. A stream's first chunk must come by ``due`` (monotonic; None: the cap).
+        ``clocks``: when the request came and when this attempt began (perf_counter).
+        """
+        out_headers = response_headers(resp, request_id)
+        out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
+        ttft = self.metrics.child(self.metrics.ttft, req.route)
+        if resp.content_type.startswith(b"text/event-stream"):
+            wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
+            try:
+                first = await self.relay.first_chunk(resp, wait_s)
+            except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+                raise Unsent(exc) from None
+            await send(
+                {"type": "http.response.start", "status": resp.status, "headers": out_headers}
+            )
+            if not first:
+                await send({"type": "http.response.body", "body": b""})
+                return b""
+            self._first_token(ttft, clocks, ticket, expected, ctx, rank)
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            # The app's send offers the server's piece writer (``router.app._Response``);
+            # a getattr, not an isinstance of a runtime-checkable Protocol, which py-spy
+            # showed on the request path (typing._get_protocol_attrs, 2026-12-05).
+            offered = getattr(send, "stream_writer", None)
+            tail = await self.relay.stream(
+                resp,
+                send,
+                first,
+                lambda n: self.fleet.progress(ticket, n),
+                offered() if offered is not None else None,
+            )
+            await send({"type": "http.response.body", "body": b""})
+            return tail
+        try:
+            body = await self.relay.read_all(resp)
+        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+            raise Unsent(exc) from None
+        if resp.status >= 400:
+            body = engine_error_body(body)
+        started, began = clocks
+        now = time.perf_counter()
+        ttft.observe(now - started)
+        if expected is not None and resp.status == 200:
+            expected.observe(now - began)
+        await send_complete(send, resp.status, out_headers, body)
+        if self.kv is not None:
+            self.kv.answered(ctx, ticket.worker, rank)
+        return body
+
+    def _first_token(
+        self,
+        ttft: Histogram,
+        clocks: tuple[float, float],
+        ticket: Ticket,
+        expected: Expected | None,
+        ctx: Context,
+        rank: int | None,
+    ) -> None:
+        """What the first streamed chunk triggers; the KV bookkeeping runs after that byte.
+
+        The client's TTFT counts from the request; the worker's prediction is checked
+        against its own attempt, not the time earlier attempts spent on a hung worker."""
+        started, began = clocks
+        now = time.perf_counter()
+        ttft.observe(now - started)
+        self.fleet.first_token(ticket)
+        if expected is not None:
+            expected.observe(now - began)
+        if self.kv is not None:
+            self.kv.answered(ctx, ticket.worker, rank)
+
+    def _upstream_error(self, exc: BaseException, worker: Worker, *, answered: bool) -> RouterError:
+        """What the client hears of an answer that failed: 504 if the worker went silent, else
+        502 (after the first byte, the stream ends with this as its last event)."""
+        tried = {WORKER_HEADER.decode(): worker.id}
+        if isinstance(exc, UpstreamTimeout | TimeoutError):
+            return RouterError(
+                504, f"Upstream timeout: {exc}", code="upstream_timeout", headers=tried
+            )
+        where = "broke off its answer" if answered else "failed"
+        return RouterError(
+            502,
+            f"Upstream worker {worker.id} {where}: {type(exc).__name__}",
+            code="upstream_error",
+            headers=tried,
+        )
+
+    def _backoff(self, attempt: int) -> float:
+        base = min(self.backoff_max_s, self.backoff_s * 2.0 ** (attempt - 1))
+        return base * self._rng.uniform(0.5, 1.5)

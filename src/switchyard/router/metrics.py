@@ -1,0 +1,273 @@
+"""Router metrics in Prometheus form, on a registry of its own (one per app instance).
+
+Every metric the router defines lives here; P/D's own live in ``router.pd.metrics``
+and the fleet's gauges are collected at scrape time by ``router.control``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.registry import Collector
+
+from switchyard.core.labels import LabelCache
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2, 4)
+_SCHEDULE_BUCKETS = (
+    0.0002,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    1,
+    5,
+)
+
+
+# prometheus_client's multiprocess mode: set (by the supervisor of several router processes),
+# every metric writes its samples to files in this directory, summed on each /metrics.
+METRICS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+# How late a process's metric files may be: a sample written behind is on every process's
+# /metrics within this time (the answering process's own samples at once).
+FLUSH_INTERVAL_S = 0.1
+
+
+class _Behind:
+    """This process's samples changed since they were last written, and the loop that
+    writes them (``write_metrics_behind``)."""
+
+    dirty: list[Any] = []
+    loop: asyncio.AbstractEventLoop | None = None
+
+
+def write_metrics_behind() -> None:
+    """Make this process's multiprocess-mode metrics write their files behind their values.
+
+    prometheus_client's own multiprocess value writes its file (an mmap) on every increment,
+    under a lock, after asking ``os.getpid()`` (a system call) to notice a fork: about 18
+    writes a request here, 7% of two router processes' CPU for the pid calls alone and 7%
+    more for the writes and the lock (py-spy, wrk against nginx, 2026-12-03). A router
+    process never forks once it serves, and its metrics change on its event loop only: each
+    value now changes in memory and is written by ``flush_metric_files``: within
+    ``FLUSH_INTERVAL_S`` of the first change since the last write (a timer on the loop
+    given to ``flush_metric_files_on``, none while nothing changes), and before the process
+    answers /metrics. Call before any metric is made."""
+    pid = os.getpid()
+    files: dict[str, MmapedDict] = {}
+    directory = os.environ[METRICS_DIR_ENV]
+    dirty = _Behind.dirty
+
+    class WrittenBehindValue:
+        _multiprocess = True
+
+        __slots__ = ("_file", "_key", "_value", "_timestamp", "_dirty")
+
+        def __init__(
+            self,
+            typ: str,
+            metric_name: str,
+            name: str,
+            labelnames: Any,
+            labelvalues: Any,
+            help_text: str,
+            multiprocess_mode: str = "",
+            **kwargs: Any,
+        ) -> None:
+            prefix = f"{typ}_{multiprocess_mode}" if typ == "gauge" else typ
+            file = files.get(prefix)
+            if file is None:
+                path = os.path.join(directory, f"{prefix}_{pid}.db")
+                file = files[prefix] = MmapedDict(path)  # type: ignore[no-untyped-call]
+            self._file = file
+            self._key = mmap_key(metric_name, name, labelnames, labelvalues, help_text)
+            self._value, self._timestamp = file.read_value(self._key)  # type: ignore[no-untyped-call]
+            self._dirty = False
+
+        def inc(self, amount: float) -> None:
+            self._value += amount
+            if not self._dirty:
+                self._changed()
+
+        def set(self, value: float, timestamp: float | None = None) -> None:
+            self._value = value
+            self._timestamp = timestamp or 0.0
+            if not self._dirty:
+                self._changed()
+
+        def _changed(self) -> None:
+            self._dirty = True
+            dirty.append(self)
+            if len(dirty) == 1 and _Behind.loop is not None:
+                _Behind.loop.call_later(FLUSH_INTERVAL_S, flush_metric_files)
+
+        def set_exemplar(self, exemplar: Any) -> None:
+            return None  # multiprocess mode has no exemplars
+
+        def get(self) -> float:
+            return float(self._value)
+
+        def get_exemplar(self) -> None:
+            return None
+
+        def write(self) -> None:
+            self._dirty = False
+            self._file.write_value(self._key, self._value, self._timestamp)  # type: ignore[no-untyped-call]
+
+    values.ValueClass = WrittenBehindValue
+
+
+def flush_metric_files() -> None:
+    """Write the samples changed since the last flush to this process's metric files."""
+    dirty = _Behind.dirty
+    if dirty:
+        batch = dirty[:]
+        dirty.clear()
+        for value in batch:
+            value.write()
+
+
+def flush_metric_files_on(loop: asyncio.AbstractEventLoop | None) -> None:
+    """Write changed samples from timers on ``loop`` (None: only when flushed by hand)."""
+    flush_metric_files()
+    _Behind.loop = loop
+
+
+class RouterMetrics(LabelCache):
+    def __init__(self) -> None:
+        super().__init__()
+        self.registry = CollectorRegistry()
+        # Collectors that read this process's live state at scrape time. Under --processes
+        # the summed /metrics is built from the processes' metric files, which hold none of
+        # these: it adds them from the answering process.
+        self.live: list[Collector] = []
+        # Run before each /metrics: bring counters kept outside the registry up to date.
+        self.before_scrape: list[Callable[[], None]] = []
+        r = self.registry
+        self.requests = Counter(
+            "switchyard_router_requests",
+            "Requests answered, by route, status and worker ('none' if answered by the router).",
+            ["route", "status", "worker"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "switchyard_router_request_duration_seconds",
+            "End-to-end latency seen by the router, by route.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "switchyard_router_time_to_first_byte_seconds",
+            "Time from request arrival to the first upstream body byte (TTFT for streams).",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.schedule = Histogram(
+            "switchyard_router_schedule_seconds",
+            "Time to choose a worker: tokenization, KV lookup, scoring and admission; by "
+            "turn: 'first' (a chat with no assistant message yet), 'later' (one with "
+            "earlier answers, whose history the router has mostly seen), 'prompt' (no chat).",
+            ["turn"],
+            buckets=_SCHEDULE_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "switchyard_router_retries",
+            "Attempts retried on another worker, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "switchyard_router_routing_decisions",
+            "First-choice routing decisions, by policy and worker.",
+            ["policy", "worker"],
+            registry=r,
+        )
+        self.decision_reasons = Counter(
+            "switchyard_router_decision_reasons",
+            "Why the first choice won: prefix, load, guard, cache_hit, cache_miss, imbalanced.",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "switchyard_router_client_disconnects",
+            "Client disconnects that aborted the upstream request.",
+            registry=r,
+        )
+        self.admission = Counter(
+            "switchyard_router_admission",
+            "SLO admission outcomes: admitted, admitted_after_wait, rejected.",
+            ["outcome", "priority"],
+            registry=r,
+        )
+        self.ttft_prediction = Histogram(
+            "switchyard_router_ttft_prediction_ratio",
+            "Actual over predicted time to first byte of the chosen worker, by kind (stream: "
+            "first token; whole: a non-streamed answer). 1 is a perfect prediction.",
+            ["kind"],
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
+
+    def register_live(self, collector: Collector) -> None:
+        """Serve ``collector`` on /metrics, also when several processes sum their metrics."""
+        self.registry.register(collector)
+        self.live.append(collector)
+
+
+class KVMetrics:
+    """KV-aware routing's predicted vs actual cache hits; registered only with a KV store."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.predicted = Counter(
+            "switchyard_router_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen worker to have cached.",
+            registry=registry,
+        )
+        self.actual = Counter(
+            "switchyard_router_actual_cached_tokens",
+            "Prompt tokens the engines reported as cached (usage.prompt_tokens_details).",
+            registry=registry,
+        )
+        self.prompt = Counter(
+            "switchyard_router_prompt_tokens",
+            "Prompt tokens of answered requests that reported usage.",
+            registry=registry,
+        )
+        self.degraded = Counter(
+            "switchyard_router_kv_lookups_degraded",
+            "Lookups answered without information (KV store down or slow).",
+            registry=registry,
+        )
+        self.tokenize_cache = Counter(
+            "switchyard_router_tokenize_cache",
+            "Routing tokenization cache lookups by kind (message: a chat message's ids; piece: "
+            "a cut of text; engine: an engine /tokenize answer) and outcome (hit, miss).",
+            ["kind", "outcome"],
+            registry=registry,
+        )
+        key_cache = Counter(
+            "switchyard_router_block_key_cache",
+            "Prompt blocks whose keys came from the block-key cache (hit) or were hashed (miss).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.key_cache_hit = key_cache.labels("hit")
+        self.key_cache_miss = key_cache.labels("miss")

@@ -1,0 +1,422 @@
+"""Assemble the router from its settings and run it under uvicorn (uvloop + httptools)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import functools
+import gc
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from uvicorn.supervisors.multiprocess import Multiprocess
+
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.remote import RemoteFleet
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.siblings import SiblingBus, SiblingShare
+from switchyard.balancer.view import FleetView
+from switchyard.balancer.worker import WorkerSpec
+from switchyard.kvstore.build import store_from_settings
+from switchyard.kvstore.remote import RemoteKVStore
+from switchyard.kvstore.settings import KVStoreSettings
+from switchyard.kvstore.store import KVStore
+from switchyard.router.app import RouterApp
+from switchyard.router.connections import ClientConnection, ConnectionLimits
+from switchyard.router.mainloop import install, request_exit
+from switchyard.router.metrics import METRICS_DIR_ENV, write_metrics_behind
+from switchyard.router.scheduler.policies import build_scheduler
+from switchyard.router.settings import RouterSettings
+
+
+def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
+    """Workers from flags/YAML, with the KV-event endpoints ``--kv-events`` assigns them."""
+    specs = [WorkerSpec.parse(w) for w in settings.workers] + settings.pd.worker_specs()
+    by_url = {spec.url: spec for spec in specs}
+    for item in settings.kv_events:
+        url, sep, endpoint = item.partition("=")
+        if not sep or not endpoint.startswith("tcp://"):
+            raise ValueError(f"--kv-events wants WORKER_URL=tcp://HOST:PORT, not {item!r}")
+        spec = by_url.get(WorkerSpec(url=url).url)
+        if spec is None:
+            raise ValueError(f"--kv-events names {url}, which is not a --worker")
+        spec.kv_events = endpoint
+    return specs
+
+
+def build_fleet(
+    settings: RouterSettings, config_file: str | Path | None, siblings: SiblingBus | None = None
+) -> FleetView:
+    """The embedded fleet shares with ``siblings``; a balancer service is shared already."""
+    balancer = BalancerSettings.load(config_file, redis_url=settings.redis_url)
+    if settings.balancer != "embedded":
+        remote = RemoteFleet(
+            settings.balancer, api_key=settings.balancer_api_key, settings=balancer
+        )
+        for spec in worker_specs(settings):
+            remote.add(spec)
+        return remote
+    fleet = Fleet(balancer, specs=worker_specs(settings))
+    if siblings is not None:
+        fleet.share_with_siblings(SiblingShare(fleet, siblings))
+    return fleet
+
+
+def build_kvstore(
+    settings: RouterSettings, config_file: str | Path | None, wanted: bool
+) -> KVStore | RemoteKVStore | None:
+    """The KV store when the policy uses prefixes or the config points at one."""
+    if settings.kvstore != "embedded":
+        return RemoteKVStore(
+            settings.kvstore, block_size=settings.block_size, api_key=settings.kvstore_api_key
+        )
+    if not (wanted or settings.tokenizer or settings.kv_events):
+        return None
+    kv = KVStoreSettings.load(
+        config_file,
+        redis_url=settings.redis_url,
+        tokenizer=settings.tokenizer,
+        block_size=settings.block_size,
+        speculative_ttl_s=settings.speculative_ttl_s,
+        kv_listen=settings.kv_listen,
+    )
+    return store_from_settings(kv)
+
+
+def build_app(
+    settings: RouterSettings,
+    config_file: str | Path | None = None,
+    siblings: SiblingBus | None = None,
+) -> RouterApp:
+    """``siblings``: the bus to the other processes of this router, if it runs several."""
+    scheduler = build_scheduler(
+        settings.policy, settings.policy_options, block_size=settings.block_size
+    )
+    fleet = build_fleet(settings, config_file, siblings)
+    kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
+    return RouterApp(settings, fleet, scheduler, kvstore, siblings=siblings)
+
+
+def preflight(settings: RouterSettings) -> None:
+    """Raise ``ValueError`` (one line) for what would stop start-up, before anything binds.
+
+    The policies of every pool, the worker specs and their ``--kv-events``.
+    """
+    build_scheduler(settings.policy, settings.policy_options, block_size=settings.block_size)
+    pd = settings.pd
+    pools = {"prefill": pd.prefill_policy, "decode": pd.decode_policy, "encode": pd.encode_policy}
+    for pool, policy in pools.items():
+        if policy is not None:
+            try:
+                build_scheduler(policy, pd.policy_options.get(pool), block_size=settings.block_size)
+            except ValueError as exc:
+                raise ValueError(f"pd.{pool}_policy: {exc}") from None
+    worker_specs(settings)
+
+
+def startup_summary(settings: RouterSettings) -> list[str]:
+    """What a user needs to see when the router starts: where, who, how it routes and shares."""
+    specs = worker_specs(settings)
+    # A flavour not given in the spec is learned from the worker's first /metrics scrape.
+    kinds = Counter(" ".join(filter(None, (spec.flavor, spec.role.value))) for spec in specs)
+    fleet = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) or "none yet"
+    if settings.balancer != "embedded":
+        fleet += f"; balancer service {settings.balancer}"
+    scheduler = build_scheduler(
+        settings.policy, settings.policy_options, block_size=settings.block_size
+    )
+    with_events = sum(1 for spec in specs if spec.kv_events)
+    if settings.kvstore != "embedded":
+        kv = f"kvstore service {settings.kvstore}"
+    elif not (scheduler.needs_prefix or settings.tokenizer or settings.kv_events):
+        kv = "off (the policy uses no prefixes)"
+    elif with_events == len(specs) and specs:
+        kv = f"events from {with_events} of {len(specs)} workers (--kv-events)"
+    elif with_events:
+        kv = (
+            f"events from {with_events} of {len(specs)} workers (--kv-events); the others' "
+            "from their /kv_event_sources (vLLM), else approximate placements"
+        )
+    elif not settings.tokenizer:
+        kv = "approximate (the router's own placements; engine events need --tokenizer)"
+    else:
+        kv = "events from the workers' /kv_event_sources (vLLM), else approximate placements"
+    tokens = f"tokenizer {settings.tokenizer}" if settings.tokenizer else "approximate tokens"
+    bs = (
+        f"{settings.block_size} until learned from events"
+        if settings.block_size
+        else "learned from events"
+    )
+    if settings.kv_listen:
+        kv += f"; listening on {settings.kv_listen} for engines that connect"
+    procs = f", {settings.process_count} processes" if settings.process_count > 1 else ""
+    return [
+        f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",
+        f"  workers: {len(specs)} ({fleet})",
+        f"  policy: {settings.policy}",
+        f"  kv: {kv}" + ("" if kv.startswith("off") else f"; block size {bs}; {tokens}"),
+        f"  redis: {settings.redis_url or _local_state(settings)}",
+    ]
+
+
+def _local_state(settings: RouterSettings) -> str:
+    if settings.process_count > 1:
+        return f"no (its {settings.process_count} processes share state over local sockets)"
+    return "no (state is local to this process)"
+
+
+# What each of several router processes reads to build its own copy of the app.
+SETTINGS_ENV = "SWITCHYARD_ROUTER_PROCESS_SETTINGS"
+CONFIG_ENV = "SWITCHYARD_ROUTER_PROCESS_CONFIG"
+SIBLINGS_ENV = "SWITCHYARD_ROUTER_SIBLINGS_DIR"  # where the processes' sibling bus meets
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h
+
+
+def run(settings: RouterSettings, config_file: str | Path | None = None) -> None:
+    _logging(settings)
+    print("\n".join(startup_summary(settings)), file=sys.stderr, flush=True)
+    if settings.process_count > 1:
+        _run_processes(settings, config_file)
+        return
+    app = build_app(settings, config_file)
+    _tune_gc()
+    _return_large_buffers()
+    server = DrainingServer(uvicorn.Config(app, **_uvicorn_options(settings)), app)
+    server.run()
+    if not server.started:
+        sys.exit(1)
+
+
+class DrainingServer(uvicorn.Server):
+    """A single router process's server: SIGTERM/SIGINT drain it (``drain``)."""
+
+    def __init__(self, config: uvicorn.Config, app: RouterApp) -> None:
+        super().__init__(config)
+        self.app = app
+        install(self)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        drain(self, self.app, sig, frame)
+
+
+def drain(
+    server: uvicorn.Server,
+    app: RouterApp,
+    sig: int,
+    frame: FrameType | None,
+    *,
+    repeat_ends_drain: bool = True,
+) -> None:
+    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``shutdown_drain_s`` the
+    listener closes and in-flight requests get ``shutdown_timeout_s`` to finish (uvicorn's
+    graceful shutdown), then are cancelled (answered 503 ``shutting_down``) and the
+    process exits. A second signal ends the drain at once unless ``repeat_ends_drain`` is
+    off (a process of several gets the signal twice: from its group and from its parent)."""
+    drain_s = app.settings.shutdown_drain_s
+    if app.draining and not repeat_ends_drain:
+        return
+    exit_now = functools.partial(request_exit, server)
+    if app.draining or drain_s <= 0:
+        app.draining = True
+        exit_now(sig, frame)
+        return
+    app.draining = True
+    try:
+        loop = asyncio.get_running_loop()  # the signal interrupted the server's loop
+    except RuntimeError:
+        exit_now(sig, frame)
+        return
+    loop.call_soon_threadsafe(loop.call_later, drain_s, exit_now, sig, None)
+
+
+def _run_processes(settings: RouterSettings, config_file: str | Path | None) -> None:
+    """Several router processes on one port, for more than one core's worth of requests.
+
+    Each process has its own fleet view and KV store, following the engines itself. In-flight
+    counts, admin changes and placements are shared through ``--redis`` if given, else over
+    a sibling bus (``balancer.siblings``); the metrics of all of them are summed on every
+    /metrics.
+    """
+    with tempfile.TemporaryDirectory(prefix="switchyard-router-") as state_dir:
+        metrics_dir, siblings_dir = Path(state_dir, "metrics"), Path(state_dir, "siblings")
+        metrics_dir.mkdir()
+        siblings_dir.mkdir()
+        os.environ[METRICS_DIR_ENV] = str(metrics_dir)
+        if settings.redis_url is None:
+            os.environ[SIBLINGS_ENV] = str(siblings_dir)
+        os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        os.environ[CONFIG_ENV] = str(config_file or "")
+        config = uvicorn.Config(
+            "switchyard.router.server:process_app",
+            factory=True,
+            workers=settings.process_count,
+            **_uvicorn_options(settings),
+        )
+        ClosingSupervisor(config, sockets=[config.bind_socket()]).run()
+
+
+# How often the supervisor asks each of its processes whether it still answers.
+PING_INTERVAL_S = 5.0
+
+
+class ClosingSupervisor(Multiprocess):
+    """uvicorn's process supervisor, closing its own copy of the listening socket once it
+    has passed SIGTERM on. uvicorn's keeps it open until every process has exited, so
+    while they finish their requests the kernel still accepted connections that no
+    process would take, and reset them at exit: 1 of 48 requests lost in
+    ``bench.faults``' SIGTERM row under ``--processes 2`` (2026-12-01). Closed, a new
+    connection is refused once the processes have closed theirs, as with one process.
+
+    It also pings its processes every ``PING_INTERVAL_S``, not every 0.5 s: each ping wakes
+    a thread of every process, which takes the GIL from its event loop; the pings and pongs
+    were a third of an idle two-process router's py-spy samples (2026-12-03). A process that
+    exits is still seen within 0.5 s (``is_alive`` of the process, no ping)."""
+
+    def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
+        super().__init__(config, sockets)
+        self._next_ping = 0.0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._stop_signal)
+
+    def _stop_signal(self, sig: int, frame: FrameType | None) -> None:
+        """Queue the signal for uvicorn's loop, and pass SIGTERM on to the processes now:
+        the loop reads its queue only between health pings of every process (up to 5 s
+        each when a process is busy), so their drain could begin late. Measured
+        2026-12-01, ``bench.faults --only sigterm`` under ``--processes 2`` with a 5 s
+        shutdown timeout: 11.4 s to exit at load average 20 before (not reproduced
+        since); on a quiet machine 6.0 s before, 5.7 s after."""
+        self.signal_queue.append(sig)
+        for process in self.processes:
+            pid = process.process.pid
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+
+    def keep_subprocess_alive(self) -> None:
+        now = time.monotonic()
+        if now < self._next_ping and all(p.process.is_alive() for p in self.processes):
+            return
+        self._next_ping = now + PING_INTERVAL_S
+        super().keep_subprocess_alive()
+
+    def terminate_all(self) -> None:
+        super().terminate_all()
+        for sock in self.sockets:
+            sock.close()
+
+
+def process_app() -> RouterApp:
+    """The app of one of several router processes (uvicorn calls this in each)."""
+    settings = RouterSettings.model_validate_json(os.environ[SETTINGS_ENV])
+    _logging(settings)
+    write_metrics_behind()
+    siblings_dir = os.environ.get(SIBLINGS_ENV)
+    siblings = SiblingBus(siblings_dir) if siblings_dir else None
+    app = build_app(settings, os.environ.get(CONFIG_ENV) or None, siblings)
+    _drain_on_signals(app)
+    _tune_gc()
+    _return_large_buffers()
+    return app
+
+
+def _drain_on_signals(app: RouterApp) -> None:
+    """Make the signal handlers of this process's server drain ``app`` first, and give
+    the server the router's main loop (``router.mainloop``).
+
+    Under ``--processes`` uvicorn runs a plain ``uvicorn.Server`` in each process, which
+    knows nothing of draining (``/ready`` stayed 200 and a request cancelled at the
+    shutdown timeout lost its connection). It installs its handlers before it loads the
+    app, so they can be wrapped here."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        server = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(server, uvicorn.Server):
+            signal.signal(sig, functools.partial(drain, server, app, repeat_ends_drain=False))
+    if isinstance(server, uvicorn.Server):
+        install(server)  # it has not started its main loop yet
+
+
+def _logging(settings: RouterSettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _tune_gc() -> None:
+    """The data path allocates few long-lived objects: move start-up objects out of the
+    collector's view and collect young ones less often. Measured with wrk at 32
+    connections: latency stdev 10 ms -> 3.4 ms, max 92 ms -> 40 ms, same req/s."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(100_000, 50, 100)
+
+
+def _return_large_buffers() -> None:
+    """Give a large request body's memory back to the OS once it is freed.
+
+    glibc raises its mmap threshold after the first large buffer is freed (up to 32 MiB),
+    and later large buffers then come from the heap, which it does not shrink. Pinning the
+    threshold keeps every buffer over 128 KiB in its own mapping, unmapped on free.
+    Measured 2026-11-30, two 31 MiB bodies: RSS afterwards +21-35% of baseline in 4 of 6
+    runs without this. No effect off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+# What a router process needs after its graceful window to answer the cancelled requests,
+# close its clients and exit; under --processes the supervisor needs as long again to see
+# its processes gone (it polls every 0.5 s, between health pings). Measured 2026-12-01,
+# bench.faults sigterm rows, 5 s timeout: with no reserve, exit after 5.2 s (one
+# process) and 5.7 s (two); with 1 s reserved for both, 4.2 s and 5.0 s.
+EXIT_RESERVE_S = 1.0
+SUPERVISOR_RESERVE_S = 1.0
+
+
+def graceful_window_s(settings: RouterSettings) -> float:
+    """How long in-flight requests may run after the listener closes, so that the process
+    exits within ``shutdown_timeout_s`` of SIGTERM (drain included), as an orchestrator's
+    grace period expects. Never 0: uvicorn reads 0 as "wait for ever"."""
+    reserve = EXIT_RESERVE_S + (SUPERVISOR_RESERVE_S if settings.process_count > 1 else 0.0)
+    window = settings.shutdown_timeout_s - settings.shutdown_drain_s - reserve
+    return max(window, 0.01)
+
+
+def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "loop": "uvloop",
+        "lifespan": "on",
+        "access_log": False,
+        "proxy_headers": False,  # the router reads no X-Forwarded-*: one ASGI layer less
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": graceful_window_s(settings),
+        # Not uvicorn's limit_concurrency: its 503 is plain text and leaves idle connections.
+        "http": functools.partial(
+            ClientConnection,
+            limits=ConnectionLimits(
+                header_timeout_s=settings.header_timeout_s,
+                body_timeout_s=settings.body_timeout_s,
+                max_connections=settings.max_client_connections,
+                max_header_bytes=settings.max_header_bytes,
+                keep_alive_s=settings.keep_alive_timeout_s,
+                retry_after_s=settings.retry_after_s,
+            ),
+        ),
+        "server_header": False,
+        "date_header": False,
+    }

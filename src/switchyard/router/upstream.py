@@ -1,0 +1,97 @@
+"""One accounted call to one worker: where it goes, its ticket, and how it ended.
+
+The unified path (``Forwarder``) and the P/D legs both run their upstream I/O inside
+a ``Call``, so the balancer's passive health (circuit breaker, outlier ejection) sees
+one classification of failures whichever path a request took:
+
+- no response head yet: connection refused, reset or unresolvable is
+  ``connect_error``; any other client error is ``server_error``;
+- the head arrived and then the answer broke off: ``server_error`` (the worker was
+  reachable and failed while answering, so an early re-probe would learn nothing);
+- a deadline passed (first byte, first token, idle stream, leg timeout): ``timeout``;
+- an answer with a 5xx status is ``server_error``, any other status ``success``;
+- cancelled (the client left, a sibling leg failed) or failed on our side:
+  ``client_abort``, which is not held against the worker.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import aiohttp
+
+from switchyard.balancer.view import FleetView
+from switchyard.balancer.worker import Outcome, Ticket, Worker
+from switchyard.router.relay import UpstreamTimeout
+
+
+class Unsent(Exception):
+    """The answer failed after its head but before any byte reached the client, so another
+    worker may still answer; ``cause`` is the failure (and what the outcome is made of)."""
+
+    def __init__(self, cause: UpstreamTimeout | aiohttp.ClientError | OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def outcome_of(exc: BaseException, answered: bool) -> Outcome:
+    """The outcome of a call that raised ``exc``; ``answered``: the response head had arrived."""
+    if isinstance(exc, Unsent):
+        exc = exc.cause
+    if isinstance(exc, UpstreamTimeout | TimeoutError):
+        return Outcome.TIMEOUT
+    if answered:
+        return (
+            Outcome.SERVER_ERROR if isinstance(exc, aiohttp.ClientError) else Outcome.CLIENT_ABORT
+        )
+    if isinstance(exc, aiohttp.ClientConnectionError | OSError):
+        return Outcome.CONNECT_ERROR
+    if isinstance(exc, aiohttp.ClientError):
+        return Outcome.SERVER_ERROR
+    return Outcome.CLIENT_ABORT
+
+
+class Call:
+    """A request to ``rank`` of ``worker``, counted in flight from creation until the
+    ``with`` block ends; the block's exception (or the answered status) is the outcome."""
+
+    __slots__ = ("fleet", "ticket", "url", "headers", "answered", "outcome")
+
+    def __init__(
+        self,
+        fleet: FleetView,
+        worker: Worker,
+        rank: int | None,
+        path: str,
+        headers: dict[str, str],
+        *,
+        prompt_tokens: int,
+        prefill_tokens: int | None = None,
+    ) -> None:
+        base, extra = fleet.address(worker, rank)
+        self.url = base + path
+        self.headers = {**headers, **extra} if extra else headers
+        self.fleet = fleet
+        self.ticket: Ticket = fleet.begin(
+            worker, prompt_tokens=prompt_tokens, dp_rank=rank, prefill_tokens=prefill_tokens
+        )
+        self.answered = False
+        self.outcome = Outcome.CLIENT_ABORT
+
+    def head(self, status: int) -> None:
+        """The response head arrived: from here on a failure is the answer breaking off."""
+        self.answered = True
+        self.outcome = Outcome.SERVER_ERROR if status >= 500 else Outcome.SUCCESS
+
+    def __enter__(self) -> Call:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.outcome = outcome_of(exc, self.answered)
+        self.fleet.end(self.ticket, self.outcome)

@@ -1,3 +1,0 @@
-from switchyard.cli import main
-
-main()
