@@ -13,7 +13,7 @@ that routing matters), three repetitions in alternating order, and checks the ta
 Medians over the repetitions are compared. Usage::
 
     python -m bench.compare_routing [multiturn mooncake saturation random] [--repeats 3]
-        [--out bench-results/routing]
+        [--out bench-results/routing] [--against REV]
 
 Scenarios without smg installed compare against round_robin only and skip smg targets.
 """
@@ -23,11 +23,14 @@ from __future__ import annotations
 import argparse
 import shutil
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from switchyard.loadtest.compare import CompareConfig, Outcome, compare
 from switchyard.loadtest.report import aggregate, wide_console, write_reports
+from switchyard.loadtest.routers import RouterSpec
+from tools.worktree import worktree
 
 OURS = "kv_aware"
 SMG = "smg:cache_aware"
@@ -121,12 +124,17 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("bench-results/routing"))
     ap.add_argument("--policies", default=None, help="override, comma list")
+    ap.add_argument("--against", help=f"also run {OURS} from this git revision, alternating")
     args = ap.parse_args()
     console = wide_console()
     default = ["round_robin", OURS, *([SMG] if shutil.which("smg") else [])]
     policies = args.policies.split(",") if args.policies else default
     verdicts: list[str] = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        specs = []
+        if args.against:
+            code = worktree(stack, args.against)
+            specs.append(RouterSpec.parse(OURS).run_from(code, args.against))
         for name in args.scenarios:
             sc = SCENARIOS[name]
             mock_config = None
@@ -143,6 +151,7 @@ def main() -> None:
                 repeats=args.repeats,
                 mock_config=mock_config,
                 out=args.out / name,
+                specs=specs,
             )
             console.rule(f"[bold]{name}")
             outcome = compare(cfg, console)

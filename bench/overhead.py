@@ -6,7 +6,7 @@ Targets, each measured ``--rounds`` times in rotating order: the backend directl
 installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
 
     python -m bench.overhead [--duration 10] [--rounds 3] [--connections 32] [--processes N]
-        [--policy P]
+        [--policy P] [--against REV]
 
 Switchyard runs its default command (no flags beyond the worker) unless told otherwise.
 """
@@ -29,7 +29,8 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from switchyard.loadtest.procs import Server, free_port
+from switchyard.loadtest.procs import Server, free_port, python_from
+from tools.worktree import worktree
 
 ANSWER = (
     '{"id":"cmpl-bench","object":"text_completion","created":0,"model":"bench",'
@@ -183,10 +184,19 @@ async def sse_rate(url: str, streams: int, duration: float) -> float:
         return count / (time.monotonic() - start)
 
 
-def router_argv(worker: str, port: int, *extra: str) -> list[str]:
-    """``switchyard router`` in front of one worker on ``port``."""
-    cmd = [sys.executable, "-m", "switchyard", "router", "--worker", worker]
+def router_argv(worker: str, port: int, *extra: str, python: list[str] | None = None) -> list[str]:
+    """``switchyard router`` in front of one worker on ``port``, run by ``python``."""
+    cmd = [*(python or [sys.executable]), "-m", "switchyard", "router", "--worker", worker]
     return [*cmd, "--port", str(port), *extra]
+
+
+def ours(stack: ExitStack, worker: str, extra: list[str], code: Path | None) -> str:
+    """Our router in front of ``worker``, imported from ``code`` (this checkout when None)."""
+    python, env = python_from(code)
+    port = free_port()
+    argv = router_argv(worker, port, *extra, python=python)
+    stack.enter_context(process(argv, port, "/ready", env=env))
+    return f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -198,6 +208,7 @@ def main() -> None:
     ap.add_argument("--processes", default=None, help="switchyard router --processes (its default)")
     ap.add_argument("--sse-streams", type=int, default=16)
     ap.add_argument("--no-smg", action="store_true")
+    ap.add_argument("--against", help="also run our router from this git revision, alternating")
     args = ap.parse_args()
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
@@ -207,20 +218,14 @@ def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         backend, lua = fixed_backend(stack, Path(tmp))
         targets = {"direct": backend}
-        sy_port = free_port()
-        stack.enter_context(
-            process(
-                router_argv(
-                    backend,
-                    sy_port,
-                    *(["--policy", args.policy] if args.policy else []),
-                    *(["--processes", args.processes] if args.processes else []),
-                ),
-                sy_port,
-                "/ready",
-            )
-        )
-        targets["switchyard"] = f"http://127.0.0.1:{sy_port}"
+        extra = [
+            *(["--policy", args.policy] if args.policy else []),
+            *(["--processes", args.processes] if args.processes else []),
+        ]
+        targets["switchyard"] = ours(stack, backend, extra, None)
+        if args.against:
+            against = worktree(stack, args.against)
+            targets[f"sy@{args.against}"] = ours(stack, backend, extra, against)
         if smg:
             targets["smg"] = stack.enter_context(smg_router(smg, backend)).url
         for url in targets.values():
@@ -256,6 +261,9 @@ def main() -> None:
         if "smg" in med:
             print(f"switchyard/smg req/s: {med['switchyard'][0] / med['smg'][0]:.2f}")
             print(f"smg added p50 at 1 connection: {med['smg'][1] - med['direct'][1]:.3f} ms")
+        for name in (n for n in names if n.startswith("sy@")):
+            print(f"switchyard/{name} req/s: {med['switchyard'][0] / med[name][0]:.2f}")
+            print(f"{name} added p50 at 1 connection: {med[name][1] - med['direct'][1]:.3f} ms")
 
     with ExitStack() as stack:
         sse_port = free_port()
@@ -267,20 +275,21 @@ def main() -> None:
                 "/v1/models",
             )
         )
-        sy_port = free_port()
-        stack.enter_context(process(router_argv(sse, sy_port), sy_port, "/ready"))
-        rates: dict[str, list[float]] = {"direct": [], "switchyard": []}
-        urls = {"direct": sse, "switchyard": f"http://127.0.0.1:{sy_port}"}
+        urls = {"direct": sse, "switchyard": ours(stack, sse, [], None)}
+        if args.against:
+            urls[f"sy@{args.against}"] = ours(stack, sse, [], worktree(stack, args.against))
+        rates: dict[str, list[float]] = {name: [] for name in urls}
+        names = list(urls)
         for r in range(args.rounds):
-            for name in ["direct", "switchyard"] if r % 2 == 0 else ["switchyard", "direct"]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 rates[name].append(
                     asyncio.run(sse_rate(urls[name], args.sse_streams, args.duration / 2))
                 )
-        d, s = statistics.median(rates["direct"]), statistics.median(rates["switchyard"])
-        print(
-            f"\nSSE relay, {args.sse_streams} streams: direct {d:,.0f} events/s, "
-            f"switchyard {s:,.0f} events/s ({s / d:.2f}x direct)"
-        )
+        d = statistics.median(rates["direct"])
+        print(f"\nSSE relay, {args.sse_streams} streams: direct {d:,.0f} events/s")
+        for name in names[1:]:
+            s = statistics.median(rates[name])
+            print(f"{name} {s:,.0f} events/s ({s / d:.2f}x direct)")
 
 
 if __name__ == "__main__":

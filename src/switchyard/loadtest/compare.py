@@ -60,6 +60,8 @@ class CompareConfig:
     settle_s: float = 0.5
     out: Path = Path("bench-results")
     progress: bool = True
+    # Router configs given as specs, after ``policies``: e.g. ours run from another checkout.
+    specs: list[RouterSpec] = field(default_factory=list)
 
 
 @dataclass
@@ -175,6 +177,7 @@ def compare(
         chosen.start()
     # Each slot holds its alternatives until one of them has started once.
     slots = [[RouterSpec.parse(a) for a in p.split("|")] for p in cfg.policies]
+    slots += [[spec] for spec in cfg.specs]
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
