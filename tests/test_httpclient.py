@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 
+from switchyard.net.errors import ConnectError, InvalidURL, PayloadCut, ServerDisconnected
 from switchyard.net.httpclient import ConnectionPool
 from tests.support import free_port
 
@@ -181,23 +181,29 @@ async def test_a_body_without_length_ends_when_the_worker_closes(serve, pool) ->
     assert await resp.read() == b"all of it"
 
 
-async def test_an_answer_cut_after_its_head_raises_a_payload_error(serve, pool) -> None:
+async def test_an_answer_cut_after_its_head_raises_payload_cut(serve, pool) -> None:
     worker = await serve(answer_then_close(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npart"))
     resp = await pool.post(worker.url, b"{}", {})
     assert await resp.readany() == b"part"
-    with pytest.raises(aiohttp.ClientPayloadError):
+    with pytest.raises(PayloadCut):
         await resp.readany()
 
 
 async def test_a_worker_that_closes_before_answering_is_a_disconnect(serve, pool) -> None:
     worker = await serve(answer_then_close(b""))
-    with pytest.raises(aiohttp.ServerDisconnectedError):
+    with pytest.raises(ServerDisconnected):
         await pool.post(worker.url, b"{}", {})
 
 
-async def test_a_refused_connection_raises_an_os_error(pool) -> None:
-    with pytest.raises(OSError):
+async def test_a_refused_connection_raises_a_connect_error(pool) -> None:
+    with pytest.raises(ConnectError) as raised:
         await pool.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {})
+    assert isinstance(raised.value.__cause__, ConnectionRefusedError)
+
+
+async def test_a_url_without_a_host_is_invalid(pool) -> None:
+    with pytest.raises(InvalidURL):
+        await pool.post("ftp:///v1/completions", b"{}", {})
 
 
 async def test_a_kept_alive_connection_the_worker_dropped_is_replaced_once(serve, pool) -> None:

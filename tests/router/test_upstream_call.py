@@ -6,12 +6,19 @@ import asyncio
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
 
-import aiohttp
 import pytest
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import Outcome, Worker, WorkerSpec
+from switchyard.net.errors import (
+    ConnectError,
+    ConnectTimeout,
+    InvalidURL,
+    PayloadCut,
+    ReadTimeout,
+    ServerDisconnected,
+)
 from switchyard.router.errors import RouterError
 from switchyard.router.forward import Forwarder
 from switchyard.router.metrics import RouterMetrics
@@ -67,7 +74,7 @@ async def _unified(fleet: Fleet, relay: Relay, worker: Worker) -> None:
         return None
 
     req = parse(COMPLETIONS, BODY, None)
-    with pytest.raises((aiohttp.ClientPayloadError, RouterError)):
+    with pytest.raises((PayloadCut, RouterError)):
         await forwarder.forward(req, Context(model="m"), [worker], {}, b"rid", send, 0.0)
 
 
@@ -106,10 +113,14 @@ async def test_a_refused_connection_is_a_connect_error_on_every_path(
 @pytest.mark.parametrize(
     ("exc", "answered", "outcome"),
     [
-        (aiohttp.ClientConnectionError("refused"), False, "connect_error"),
+        (ConnectError("refused"), False, "connect_error"),
         (ConnectionResetError(), False, "connect_error"),
-        (aiohttp.ClientPayloadError("cut"), True, "server_error"),
-        (aiohttp.ServerDisconnectedError(), True, "server_error"),
+        (ServerDisconnected("closed"), False, "connect_error"),
+        (InvalidURL("ftp://x"), False, "server_error"),
+        (PayloadCut("cut"), True, "server_error"),
+        (ServerDisconnected("closed"), True, "server_error"),
+        (ConnectTimeout("connect"), False, "timeout"),
+        (ReadTimeout("head"), False, "timeout"),
         (TimeoutError(), False, "timeout"),
         (TimeoutError(), True, "timeout"),
         (asyncio.CancelledError(), True, "client_abort"),

@@ -4,14 +4,13 @@ httptools.
 A router call is one POST with a body already in memory, to a worker it talks to all
 the time; its answer is relayed as bytes. The balancer's probes and scrapes are GETs to
 the same workers. That needs far less than a general client:
-no cookies, redirects, proxies, decompression or per-request header objects. aiohttp's
-client was 43% of the router's CPU per request on ``bench.overhead``'s fixed backend
-(py-spy, 2026-12-03, one process, ``ClientSession._request``, its writer and reader).
+no cookies, redirects, proxies, decompression or per-request header objects
+(``docs/decisions/0002-http-client.md``).
 
-Failures raise aiohttp's exception classes, which the rest of the router (probes,
-parity checks) meets from aiohttp itself, so ``router.upstream.outcome_of`` classifies
-both alike: refused or unresolvable is an ``OSError``; closed before the response head
-is ``aiohttp.ServerDisconnectedError``; broken after it is ``aiohttp.ClientPayloadError``.
+Failures raise the classes of ``switchyard.net.errors``, which ``router.upstream.outcome_of``
+maps to outcomes: refused or unresolvable is a ``ConnectError``; closed before the response
+head is ``ServerDisconnected``; broken after it is ``PayloadCut``; a deadline passed is a
+``TransportTimeout`` (a ``TimeoutError``).
 """
 
 from __future__ import annotations
@@ -25,8 +24,17 @@ from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
-import aiohttp
 import httptools
+
+from switchyard.net.errors import (
+    ConnectError,
+    ConnectTimeout,
+    InvalidURL,
+    PayloadCut,
+    ReadTimeout,
+    ServerDisconnected,
+    TransportTimeout,
+)
 
 # Body bytes buffered from a worker before its socket is no longer read (a slow client).
 _HIGH_WATER_BYTES = 1 << 20
@@ -42,7 +50,7 @@ def _target(url: str) -> tuple[tuple[str, str, int], bytes, bytes]:
     """(origin, Host header, request path) of ``url``; the router calls few distinct URLs."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise aiohttp.InvalidURL(url)
+        raise InvalidURL(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     path = parts.path or "/"
     if parts.query:
@@ -87,7 +95,7 @@ class Response:
         self._loop = conn.pool.loop
 
     def idle_timeout(self, idle_s: float) -> None:
-        """From now on ``readany`` raises ``TimeoutError`` once no body bytes came for
+        """From now on ``readany`` raises ``ReadTimeout`` once no body bytes came for
         ``idle_s``. One timer serves the whole body: it is made when a read has to wait and
         none is pending, and where bytes came since, it moves on instead of firing. An
         ``asyncio.timeout`` moved on every chunk cost a timer a chunk, 5.7 us each (uvloop,
@@ -128,7 +136,7 @@ class Response:
     async def pipe(self, write: PieceWriter) -> None:
         """Hand the rest of the body to ``write``, piece by piece, from the connection's own
         callback as each arrives; return at its end. Raises as ``readany`` does (the
-        connection's error, ``TimeoutError`` once idle for the ``idle_timeout``).
+        connection's error, ``ReadTimeout`` once idle for the ``idle_timeout``).
 
         A relay through ``readany`` woke its task, made a future and an ASGI message for
         every piece (an SSE chunk, about a token): 75 us a chunk in all against smg's 55 on
@@ -216,7 +224,7 @@ class Response:
         loop = self._loop
         due = self._fed_at + self._idle_s
         if loop.time() >= due:
-            waiter.set_exception(TimeoutError())
+            waiter.set_exception(ReadTimeout(f"no body bytes for {self._idle_s}s"))
         else:
             self._timer = loop.call_at(due, self._idle_check)
 
@@ -338,14 +346,14 @@ class _Connection(asyncio.Protocol):
     def _fail(self, reason: str) -> None:
         head, response = self.head, self.response
         if head is not None and not head.done():
-            head.set_exception(aiohttp.ServerDisconnectedError(reason))
+            head.set_exception(ServerDisconnected(reason))
         elif response is not None:
-            response._finish(aiohttp.ClientPayloadError(reason))
+            response._finish(PayloadCut(reason))
 
 
 def _expire(answer: asyncio.Future[Response]) -> None:
     if not answer.done():
-        answer.set_exception(TimeoutError())
+        answer.set_exception(ReadTimeout("no response head by the deadline"))
 
 
 def _ends_at_close(response: Response) -> bool:
@@ -379,7 +387,7 @@ class ConnectionPool:
         self, url: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
     ) -> Response:
         """POST ``body`` with ``headers`` (plus Host and Content-Length); the response at its
-        head, within ``timeout_s`` (else ``TimeoutError``). A kept-alive connection that the
+        head, within ``timeout_s`` (else ``ReadTimeout``). A kept-alive connection that the
         worker had closed is replaced once."""
         origin, host, path = _target(url)
         lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: "]
@@ -402,7 +410,7 @@ class ConnectionPool:
         conn, reused = await self._acquire(origin, deadline)
         try:
             return await self._exchange(conn, head, body, deadline)
-        except aiohttp.ServerDisconnectedError:
+        except ServerDisconnected:
             if not reused or conn.received:
                 raise
         conn, _ = await self._acquire(origin, deadline, fresh=True)
@@ -434,12 +442,18 @@ class ConnectionPool:
         self, origin: tuple[str, str, int], deadline: float | None, fresh: bool = False
     ) -> tuple[_Connection, bool]:
         """A connection to ``origin`` and whether it served an earlier request; connecting
-        or waiting for a free one ends at ``deadline`` (loop time) with ``TimeoutError``."""
+        or waiting for a free one ends at ``deadline`` (loop time) with ``ReadTimeout``
+        (connecting itself, within the connect timeout, else ``ConnectTimeout``)."""
         conn = None if fresh else self._take_idle(origin)
         if conn is not None:  # the usual case: no timeout context entered
             return conn, True
-        async with asyncio.timeout_at(deadline):
-            return await self._wait_or_connect(origin, fresh)
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._wait_or_connect(origin, fresh)
+        except TransportTimeout:
+            raise
+        except TimeoutError:
+            raise ReadTimeout("no connection by the deadline") from None
 
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         """The latest idle connection still open and within ``keepalive_s``; older ones
@@ -487,7 +501,10 @@ class ConnectionPool:
                 )
         except TimeoutError:
             conn.abort()
-            raise aiohttp.ServerTimeoutError(f"connect to {host}:{port} timed out") from None
+            raise ConnectTimeout(f"connect to {host}:{port} timed out") from None
+        except OSError as exc:
+            conn.abort()
+            raise ConnectError(str(exc)) from exc
         except BaseException:
             conn.abort()
             raise

@@ -31,9 +31,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 
+from switchyard.net.errors import TransportError
 from switchyard.router.errors import RouterError
 from switchyard.router.request import parse
 from switchyard.router.scheduler.framework import Context
@@ -308,7 +308,7 @@ async def calibrate(
                 try:
                     short = await _canary(pool, worker, SHORT_CANARY_WORDS, timeout_s)
                     long = await _canary(pool, worker, LONG_CANARY_WORDS, timeout_s)
-                except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                except (TransportError, TimeoutError, OSError, ValueError) as exc:
                     log.warning("TTFT calibration of %s failed: %s", worker.id, exc)
                     continue
                 model.calibrated(worker.id, short, long)

@@ -14,12 +14,12 @@ import random
 import time
 from dataclasses import dataclass
 
-import aiohttp
 from prometheus_client import Histogram
 from starlette.types import Send
 
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
+from switchyard.net.errors import TransportError
 from switchyard.net.httpclient import Response
 from switchyard.router.admission import Expected, TTFTModel
 from switchyard.router.errors import RouterError, engine_error_body
@@ -259,7 +259,7 @@ class Forwarder:
             raise _Retry(
                 f"unsent_{call.outcome}", self._upstream_error(unsent.cause, worker, answered=True)
             ) from None
-        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+        except (UpstreamTimeout, TransportError, OSError) as exc:
             if call.answered or call.outcome not in _RETRIED:
                 raise self._upstream_error(exc, worker, answered=call.answered) from None
             tried = {WORKER_HEADER.decode(): worker.id}
@@ -310,7 +310,7 @@ class Forwarder:
             wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
             try:
                 first = await self.relay.first_chunk(resp, wait_s)
-            except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+            except (UpstreamTimeout, TransportError, OSError) as exc:
                 raise Unsent(exc) from None
             await send(
                 {"type": "http.response.start", "status": resp.status, "headers": out_headers}
@@ -335,7 +335,7 @@ class Forwarder:
             return tail
         try:
             body = await self.relay.read_all(resp)
-        except (UpstreamTimeout, aiohttp.ClientError, OSError) as exc:
+        except (UpstreamTimeout, TransportError, OSError) as exc:
             raise Unsent(exc) from None
         if resp.status >= 400:
             body = engine_error_body(body)

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 from types import TracebackType
 
-import aiohttp
-
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
+from switchyard.net.errors import ConnectError, TransportError
 from switchyard.router.relay import UpstreamTimeout
 
 
@@ -29,24 +28,24 @@ class Unsent(Exception):
     """The answer failed after its head but before any byte reached the client, so another
     worker may still answer; ``cause`` is the failure (and what the outcome is made of)."""
 
-    def __init__(self, cause: UpstreamTimeout | aiohttp.ClientError | OSError) -> None:
+    def __init__(self, cause: UpstreamTimeout | TransportError | OSError) -> None:
         super().__init__(str(cause))
         self.cause = cause
 
 
 def outcome_of(exc: BaseException, answered: bool) -> Outcome:
-    """The outcome of a call that raised ``exc``; ``answered``: the response head had arrived."""
+    """The outcome of a call that raised ``exc``; ``answered``: the response head had arrived.
+
+    The one place the transport's failures (``switchyard.net.errors``) become outcomes."""
     if isinstance(exc, Unsent):
         exc = exc.cause
     if isinstance(exc, UpstreamTimeout | TimeoutError):
         return Outcome.TIMEOUT
     if answered:
-        return (
-            Outcome.SERVER_ERROR if isinstance(exc, aiohttp.ClientError) else Outcome.CLIENT_ABORT
-        )
-    if isinstance(exc, aiohttp.ClientConnectionError | OSError):
+        return Outcome.SERVER_ERROR if isinstance(exc, TransportError) else Outcome.CLIENT_ABORT
+    if isinstance(exc, ConnectError | OSError):
         return Outcome.CONNECT_ERROR
-    if isinstance(exc, aiohttp.ClientError):
+    if isinstance(exc, TransportError):
         return Outcome.SERVER_ERROR
     return Outcome.CLIENT_ABORT
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import aiohttp
 import orjson
 
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Worker
+from switchyard.net.errors import TransportError
 from switchyard.router.relay import Relay
 from switchyard.router.upstream import Call
 
@@ -58,7 +58,7 @@ async def call_json(
                 finally:
                     resp.close()
             fleet.first_token(call.ticket)
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+    except (TimeoutError, TransportError, OSError) as exc:
         raise _failed(worker, call.outcome, exc, timeout_s) from None
     if status != 200:
         raise LegError(status, f"{worker.id} answered HTTP {status}", f"status_{status}", raw)
