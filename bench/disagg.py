@@ -19,7 +19,7 @@ Reported per configuration: TTFT p50/p90, ITL p90 (all inter-token gaps), the sh
 requests meeting the objectives (TTFT <= --ttft-slo and the request's p90 inter-token gap
 <= --tbt-slo) and goodput = such requests per second of trace time.
 
-    python -m bench.disagg [--requests 600] [--time-scale 3] [--tbt-slo 0.03]
+    python -m bench.disagg [--trace FILE] [--requests 600] [--time-scale 3] [--tbt-slo 0.03]
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from switchyard.loadtest.workloads.mooncake import DEFAULT_TRACE
 from switchyard.mock.engine.api import EngineRequest
 from switchyard.mock.engine.config import EngineConfig
 from switchyard.mock.engine.core import EngineCore
 from switchyard.mock.engine.virtual import RequestResult, VirtualFleet
 
-TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
 BLOCK = 512
 
 
@@ -167,7 +167,7 @@ def run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=TRACE)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake trace (JSONL)")
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument("--time-scale", type=float, default=3.0, help="arrival-rate multiplier")
     ap.add_argument("--max-output", type=int, default=512)
@@ -175,6 +175,8 @@ def main() -> None:
     ap.add_argument("--tbt-slo", type=float, default=0.03, help="seconds, per-request p90 gap")
     ap.add_argument("--threshold", type=int, default=1024, help="conditional P/D, tokens")
     args = ap.parse_args()
+    if not args.trace.is_file():
+        ap.error(f"Mooncake trace not found at {args.trace}: pass its path (--trace FILE)")
     jobs = load(args.trace, args.requests, args.time_scale, args.max_output)
     config = EngineConfig()
     slo = (args.ttft_slo, args.tbt_slo)

@@ -1,7 +1,7 @@
 """How fast the mock engine model runs: step CPU cost, real-clock streaming, virtual clock.
 
     python -m bench.mock_sim [--requests 20000] [--engines 16] [--seed 0]
-                             [--trace /work/shared/traces/mooncake_conversation_trace.jsonl]
+                             [--trace traces/mooncake_conversation_trace.jsonl]
 
 Prints, reproducibly for a seed:
 - the CPU cost of one engine step for a 256-sequence decode batch (target: well under 1 ms);

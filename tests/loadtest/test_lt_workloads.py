@@ -163,9 +163,10 @@ def test_mooncake_block_tokens_shrinks_prompts_keeping_reuse(
 def test_real_mooncake_trace_blocks_are_512_tokens(tok: ModelTokenizer) -> None:
     from switchyard.loadtest.workloads.mooncake import DEFAULT_TRACE
 
-    if not DEFAULT_TRACE.exists():
-        pytest.skip(f"trace not present at {DEFAULT_TRACE}")
-    w = build_workload("mooncake", 0, limit=3)
-    first = json.loads(DEFAULT_TRACE.read_text().splitlines()[0])
+    trace = Path(__file__).resolve().parents[2] / DEFAULT_TRACE
+    if not trace.exists():
+        pytest.skip(f"trace not present at {trace}")
+    w = build_workload("mooncake", 0, trace=str(trace), limit=3)
+    first = json.loads(trace.read_text().splitlines()[0])
     tokens = tok.encode(w.requests[0].messages[0]["content"])
     assert len(tokens) == first["input_length"]

@@ -116,7 +116,7 @@ def _params(cls: type[MooncakeParams], given: dict[str, Any]) -> MooncakeParams:
 def mooncake_tokens(seed: int, p: MooncakeParams) -> SimWorkload:
     path = Path(p.trace)
     if not path.exists():
-        raise ValueError(f"Mooncake trace not found at {path} (see --trace)")
+        raise ValueError(f"Mooncake trace not found at {path}: pass its path (--trace FILE)")
     if p.speedup <= 0 or p.block_tokens <= 0:
         raise ValueError("mooncake speedup and block_tokens must be positive")
     end = None if p.limit is None else p.start + p.limit

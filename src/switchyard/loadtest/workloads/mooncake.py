@@ -17,8 +17,9 @@ from switchyard.loadtest.text import WordBank, default_bank
 from switchyard.loadtest.workload import Request, Workload
 
 TRACE_BLOCK_TOKENS = 512
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+# Not shipped with the package: relative to the working directory, so run from the
+# repository root this is its traces/ directory (see traces/README.md there).
+DEFAULT_TRACE = Path("traces") / "mooncake_conversation_trace.jsonl"
 
 
 @dataclass
@@ -43,7 +44,7 @@ def mooncake(seed: int, p: MooncakeParams, bank: WordBank | None = None) -> Work
     bank = bank or default_bank()
     path = Path(p.trace)
     if not path.exists():
-        raise FileNotFoundError(f"Mooncake trace not found at {path} (see --trace)")
+        raise ValueError(f"Mooncake trace not found at {path}: pass its path (trace=FILE)")
     lines = path.read_text().splitlines()
     end = None if p.limit is None else p.start + p.limit
     rows = [json.loads(line) for line in lines[p.start : end] if line.strip()]
