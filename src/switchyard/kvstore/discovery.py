@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from switchyard.kvstore.settings import worker_url as worker_url
+
 log = logging.getLogger("switchyard.kvstore.discovery")
 
 SOURCES_PATH = "/kv_event_sources"
@@ -36,16 +38,6 @@ class EventSource:
     replay_endpoint: str | None
     topic: str
     engine_binds: bool
-
-
-def worker_url(url: str) -> str:
-    """A worker base URL as the router names instances (scheme, no trailing slash)."""
-    text = url.strip()
-    text = (text if "://" in text else "http://" + text).rstrip("/")
-    parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--worker {url!r}: expected http://HOST:PORT")
-    return text
 
 
 def _host_of(url: str) -> str:

@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.core.settings import ServiceSettings
-from switchyard.kvstore.discovery import worker_url
 from switchyard.kvstore.keys import KEY_CACHE_BYTES
-from switchyard.kvstore.tokenize import CACHE_BYTES as TOKENIZE_CACHE_BYTES
+
+# Bound of the routing tokenizer's message and piece caches together. Here, not in
+# ``tokenize``, so reading settings does not import a tokenizer library.
+TOKENIZE_CACHE_BYTES = 256 << 20
+
+
+def worker_url(url: str) -> str:
+    """A worker base URL as the router names instances (scheme, no trailing slash)."""
+    text = url.strip()
+    text = (text if "://" in text else "http://" + text).rstrip("/")
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--worker {url!r}: expected http://HOST:PORT")
+    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 from switchyard.kvstore.bpe import Encoder, fast_encoder
+from switchyard.kvstore.settings import TOKENIZE_CACHE_BYTES as CACHE_BYTES
 
 T = TypeVar("T")
 
@@ -57,8 +58,6 @@ CHARS_PER_TOKEN = 4
 MIN_PIECE_CHARS = 256
 # Text with more uncached characters than this is tokenized in the worker thread.
 OFFLOAD_CHARS = 4096
-# Bound of the message and piece caches together (the settings' default is the same).
-CACHE_BYTES = 256 << 20
 # What one cached token costs in memory (a list slot and an int object), and one entry.
 _TOKEN_BYTES = 36
 # What a message's role and delimiters add to its content, about (in characters).
