@@ -4,10 +4,10 @@ The fleet owns the registry and decides what a result means for routing; this mo
 only does the I/O and tells the fleet what it saw (``set_healthy``, ``set_models``).
 A connect error on the request path wakes a worker's task for an early probe.
 
-Its cost is bounded for large fleets (issue 13: with 400 workers the router spent 26%
-of a core idle on probes and scrapes). While a fleet is small (workers / budget under
-``probe_interval_s``) every worker is probed and scraped at the base intervals, as
-before. Beyond that, a worker that passed its probes backs off (the interval doubles
+Its cost is bounded for large fleets, whose probes and scrapes would otherwise keep an
+idle router busy (see docs/benchmarks.md, large_fleet). While a fleet is small (workers /
+budget under ``probe_interval_s``) every worker is probed and scraped at the base
+intervals. Beyond that, a worker that passed its probes backs off (the interval doubles
 per good probe) up to ``workers / probe_budget_per_s``, at most
 ``probe_max_interval_s``; one failed probe or a connect error brings it back to the
 base interval. An idle worker (nothing in flight, nothing sent since its last scrape,
@@ -111,8 +111,8 @@ class Prober:
     async def first_look(self, timeout_s: float) -> None:
         """Until every watched worker has been probed once and, if it answered, asked for
         its models (or ``timeout_s``): a router process that took requests before it knew
-        its workers' models answered them 503 (2026-12-01, the second of two processes,
-        started a moment after the first had answered /ready)."""
+        its workers' models would answer them 503 (as a second process, started a moment
+        after the first had answered /ready, did)."""
         looked = [event.wait() for event in self._looked.values()]
         if looked:
             with contextlib.suppress(TimeoutError):
@@ -176,8 +176,8 @@ class Prober:
         monotonic clock is the system's) a tenth of it after ``began``, so one wake-up of
         the loop serves them all and their news shares one bus frame; a check on the grid
         is followed by the next point, one joining it comes within 1.1 intervals, as a
-        jittered one did. Each worker on its own jittered time cost the idle two-process
-        router 140 wake-ups a second with 8 engines (strace, 2026-12-04). A larger fleet
+        jittered one did. Each worker on its own jittered time would wake an idle router
+        once per worker and interval, and its siblings with it. A larger fleet
         checks at ``jittered_at``, so that its checks spread over the budget."""
         if len(self._tasks) > self.settings.probe_budget_per_s * interval_s:
             return jittered_at

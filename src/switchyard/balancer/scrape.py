@@ -5,10 +5,9 @@ engine we talk to when the config does not say.
 
 Only the lines of the families below reach prometheus_client's parser, one memoised
 series at a time (the value is read here), so the cost does not grow with the histogram
-buckets and families an engine adds. 2026-12-01: a real vLLM scrape of 620 lines took 32
-ms through the parser, 2.3 ms filtered, 0.4 ms filtered and memoised (the parse was 20%
-of the router's CPU on the multi-turn replay). 2026-12-03: a 34 kB mock scrape whose load
-values moved took 511 us that way, 140-167 us with one regex scan and the values read here.
+buckets and families an engine adds: a whole scrape through the parser was a large share
+of the router's CPU on the multi-turn replay (see docs/benchmarks.md, router_cpu), and one
+regex scan with the values read here is a fraction of a filtered, line-by-line parse.
 """
 
 from __future__ import annotations
@@ -89,8 +88,8 @@ _FLAVOR = re.compile(r"^(vllm|sglang):", re.M)
 
 
 # The wanted families' sample lines, in the text's order, found by one regex scan of the
-# text rather than a Python loop over its lines (a 34 kB mock scrape of 409 lines: 102 us
-# to split and filter, 47 us this way, 2026-12-03). A line starts after a newline (the
+# text rather than a Python loop over its lines, which costs about twice as much on a
+# mock engine's scrape. A line starts after a newline (the
 # text gets one in front); a longer name sharing a prefix is not matched. A name that
 # pairs one flavor's prefix with the other's suffix is matched, parsed, and ignored.
 _WANTED_LINE = re.compile(
@@ -109,8 +108,8 @@ def _parse_line(line: str) -> tuple[Sample, ...]:
 def _sample(line: str) -> Iterator[Sample]:
     """The sample of one line: its series (name and labels) from the parser, memoised,
     and its value read here. An engine repeats its series between scrapes and moves
-    their values: a whole changed line through the parser cost ~55 us, and the load
-    lines change on every scrape under traffic. A line with a timestamp goes whole."""
+    their values: a whole changed line through the parser is slow, and the load lines
+    change on every scrape under traffic. A line with a timestamp goes whole."""
     end = line.rfind("}") + 1 or line.find(" ")
     value = line[end:].split()
     if end <= 0 or len(value) != 1:

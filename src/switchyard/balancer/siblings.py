@@ -15,8 +15,8 @@ then msgpack ``[origin, topic, payload, topic, payload, ...]``.
 Plain asyncio unix streams, not ZMQ PUB/SUB: a batch is one write on the sender's loop
 and one read on the receiver's. Through ZMQ it was a wake-up of the sender's ZMQ thread,
 an ipc write, the receiver's ZMQ thread, its signal to the loop and pyzmq's poll
-bookkeeping: measured 2026-12-03 (wrk against nginx, two processes, one worker) about
-100 us of CPU per batch in all, 9 us a request in the ZMQ threads alone.
+bookkeeping, several times the CPU of a stream write and read (see
+docs/decisions/0004-process-bus.md).
 """
 
 from __future__ import annotations
@@ -55,17 +55,17 @@ SCRAPE = b"scrape"  # one worker's parsed /metrics, from the process that scrape
 PROBE = b"probe"  # one worker's health probe outcome, from the process that probed it
 # How long a message may wait for others to share its frame. Each frame is one wake-up of
 # every sibling's loop: sent one by one (about five a request: counts at begin, first
-# token and end, the placement, new chat messages), they cost a third as much CPU again
-# as the requests themselves in a py-spy profile of two processes (2026-12-02,
-# bench.router_cpu multiturn). 2 ms is short next to any prefill the counts announce.
+# token and end, the placement, new chat messages), they cost a sizeable fraction of the
+# requests' own CPU (see docs/decisions/0004-process-bus.md). 2 ms is short next to any
+# prefill the counts announce.
 # A message after a quiet ``BATCH_S`` goes out at the end of its loop turn instead, with
 # what that turn publishes: the wait ahead of it bought no company, and its timer was one
 # more wake-up of the publishing loop.
 BATCH_S = 0.002
 # How long a lazy message (one no sibling routes on within milliseconds: a placement,
 # tokens, KV operations, a scrape, counts that fell) may wait for an urgent one to carry
-# it. A two-process router sent about six frames a request on the multi-turn replay
-# (strace, 2026-12-04), each a wake-up of the other process.
+# it. Sent at once, they made several frames a request on the multi-turn replay, each a
+# wake-up of every other process.
 LAZY_S = 0.02
 # Bytes a slow sibling may have waiting before batches to it are dropped (as PUB/SUB
 # drops at its high-water mark): a stalled process must not grow the others' memory.
@@ -307,8 +307,8 @@ class SiblingBus:
 
     def _scan(self) -> None:
         """Connect to new siblings' sockets; nothing to do while the directory is unchanged
-        (one stat: the glob every 0.1 s was a twentieth of an idle two-process router's
-        samples in py-spy, 2026-12-03). A gone sibling's connection closes by itself."""
+        (one stat: a glob every 0.1 s showed in an idle router's profile). A gone
+        sibling's connection closes by itself."""
         try:
             mtime = self.directory.stat().st_mtime_ns
         except OSError:
@@ -415,8 +415,8 @@ class SiblingShare:
 
         Unchanged counts are sent again only every third of a lease (a keep-alive), and
         the fold runs only when a sibling's counts changed or expired: an idle router's
-        processes then do almost nothing. 2026-12-01, ``bench.router_cpu --siblings``
-        before this: 40 us per sync with 8 workers, 1.6 ms with 400 (all busy)."""
+        processes then do almost nothing, where a fold on every sync grows with the
+        fleet (``bench.router_cpu --siblings``)."""
         now = time.monotonic()
         lease = self.fleet.settings.lease_s
         own: dict[str, list[list[int]]] = {}
@@ -454,10 +454,9 @@ class SiblingShare:
     def changed(self, worker: Worker) -> None:
         """Tell the siblings a worker's counts at once. A prefill lasts milliseconds: with
         counts only every sync, the siblings missed it and sent new conversations to the
-        same worker (2026-12-01, ``bench.compare_routing multiturn``, kv_aware with two
-        processes: hit rate 0.796 against one process's 0.885, with 4 of 8 engines idle;
-        0.790 with no sync at all). ``begun_at`` goes along, so that every process rotates
-        ties over the fleet's picks, not only its own."""
+        same worker, and two processes' hit rate fell well below one process's with half
+        the engines idle (``bench.compare_routing multiturn``). ``begun_at`` goes along, so
+        that every process rotates ties over the fleet's picks, not only its own."""
         ranks = [list(counters.local_tuple()) for counters in worker.ranks]
         payload = orjson.dumps([worker.id, ranks, worker.begun_at])
         # Only a request begun is urgent news: a first token or an end makes the worker
@@ -500,8 +499,8 @@ class SiblingShare:
 
     def publish_scrape(self, worker: Worker, samples: list[Scrape]) -> None:
         """Share a scrape this process made. Each process scraping every worker cost each
-        of them the GETs and the parse (a py-spy profile of the multi-turn replay put the
-        probe loop at a seventh of one process's CPU, 2026-12-03)."""
+        of them the GETs and the parse, a visible share of each process's CPU on the
+        multi-turn replay."""
         payload = orjson.dumps([worker.id, samples], option=orjson.OPT_NON_STR_KEYS)
         self.bus.publish(SCRAPE, payload, key=worker.id, lazy=True)
 
@@ -520,8 +519,8 @@ class SiblingShare:
 
     def publish_probe(self, worker: Worker, ok: bool, error: str) -> None:
         """Share a probe this process made. Each process probing every worker cost each
-        of them a GET per worker and interval: probes were 6-9 of an idle two-process
-        router's 29 ms of CPU a second (2026-12-03, ``bench.router_cpu --idle``)."""
+        of them a GET per worker and interval, a large part of an idle router's CPU
+        (``bench.router_cpu --idle``)."""
         self.bus.publish(PROBE, orjson.dumps([worker.id, ok, error]), key=worker.id, lazy=ok)
 
     def _on_probe(self, origin: str, payload: bytes) -> None:

@@ -302,8 +302,8 @@ class Worker:
     def queued_tokens(self) -> tuple[int, int]:
         """(prefill tokens queued, decode tokens plus sequences) across ranks and peers: the
         part of ``load()`` the KV-aware cost reads, without its clock read and 12-field
-        record (``load()`` per candidate was 10% of a simulated kv_aware run at 1,000
-        engines, 2026-12-01)."""
+        record (``load()`` per candidate showed in a simulated kv_aware run over a
+        thousand engines)."""
         t = self.totals
         return (
             t.prefill_tokens + t.remote_prefill_tokens,

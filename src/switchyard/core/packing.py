@@ -2,8 +2,8 @@
 
 ``msgpack.packb`` makes a ``Packer`` for each call, and each ``Packer`` allocates a
 256 KiB buffer, which glibc serves with an ``mmap`` and frees with a ``munmap`` every
-time. A two-process router made about ten such pairs a request on the multi-turn replay
-(strace, 2026-12-04): the sibling bus's batches, shared KV operations and placements. A
+time, and a router with several processes packs several messages a request: the sibling
+bus's batches, shared KV operations and placements. A
 packer kept per thread allocates its buffer once (``pack`` resets it, also on an error).
 """
 

@@ -98,8 +98,8 @@ class Response:
         """From now on ``readany`` raises ``ReadTimeout`` once no body bytes came for
         ``idle_s``. One timer serves the whole body: it is made when a read has to wait and
         none is pending, and where bytes came since, it moves on instead of firing. An
-        ``asyncio.timeout`` moved on every chunk cost a timer a chunk, 5.7 us each (uvloop,
-        2026-12-03)."""
+        ``asyncio.timeout`` moved on every chunk would cost a timer a chunk, measurable on
+        the SSE path."""
         self._idle_s = idle_s
         self._fed_at = self._loop.time()
 
@@ -139,8 +139,8 @@ class Response:
         connection's error, ``ReadTimeout`` once idle for the ``idle_timeout``).
 
         A relay through ``readany`` woke its task, made a future and an ASGI message for
-        every piece (an SSE chunk, about a token): 75 us a chunk in all against smg's 55 on
-        the multi-turn replay (2026-12-04)."""
+        every piece (an SSE chunk, about a token), which put our cost a chunk above smg's
+        on the multi-turn replay (``docs/decisions/0002-http-client.md``)."""
         if self._chunks:
             self._hand(write, self._take())
         self._sink = write

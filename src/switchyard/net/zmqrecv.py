@@ -3,9 +3,9 @@
 The socket is a plain ``zmq.Socket``: the loop watches its ``FD`` (``add_reader``) only
 while nothing is left to read, and each wake-up takes every message waiting, up to
 ``BURST``, with non-blocking reads. zmq.asyncio did the same through a future and a poll
-state per awaited receive plus its own readiness bookkeeping on every wake-up: its
-``_handle_events`` and ``_add_recv_event`` were 9% of one router process's py-spy samples
-on the multi-turn replay (2026-12-03, one KV-event message or so per wake-up there).
+state per awaited receive plus its own readiness bookkeeping on every wake-up, a visible
+share of a router's CPU where about one KV-event message comes per wake-up
+(``docs/decisions/0003-zmtp-subscriber.md``).
 
 ZMQ's ``FD`` signals edges: once it fired, the socket must be read until ``zmq.Again``
 before waiting on it again. That is the only order this reader uses.

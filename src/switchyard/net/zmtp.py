@@ -2,11 +2,9 @@
 
 A KV-event subscriber only ever connects to one PUB socket, subscribes to everything and
 reads. Through libzmq each message crossed its I/O thread, a mailbox signal and a wake-up
-of the loop on the socket's ``FD``: measured 2026-12-05 on this 2-core machine, replaying
-the 1,035 frames eight mock engines published on the multi-turn replay, 175 us of CPU per
-frame for the receiving process through ``switchyard.net.zmqrecv`` (115 us through a plain
-blocking ``zmq.Poller``), against 35 us for the same bytes read by an asyncio protocol.
-About 3.4 frames come per request there, so libzmq alone was 0.5 ms of each request.
+of the loop on the socket's ``FD``, several times the CPU of the same bytes read by an
+asyncio protocol, and several frames come per request (the figures and their command are
+in ``docs/decisions/0003-zmtp-subscriber.md``).
 
 The wire (rfc.zeromq.org spec 23, ZMTP 3.0): a 64-byte greeting each way (signature,
 version 3.0, mechanism ``NULL``), a ``READY`` command each way naming the socket types,
@@ -248,7 +246,7 @@ async def subscribe(endpoint: str, take: Take | None = None) -> AsyncGenerator[l
     ``take``, when given, is offered each message as it is read, on the protocol's
     callback, while none waits to be yielded; what it takes (returns True for) is not
     yielded. It must not raise. A message handled there costs no task switch and no
-    future (offline, 2026-12-04: 72 / 69 -> 47 / 60 us a KV-event frame)."""
+    future."""
     delay = RECONNECT_S
     while True:
         try:
