@@ -1,11 +1,10 @@
 """A faster encoder for byte-level BPE tokenizers: tiktoken, used only where it is exact.
 
-The router tokenizes every new message and prompt piece it routes. With HF ``tokenizers``
-that was a quarter of a one-process router's CPU (py-spy, 2026-12-03: 26% of samples
-under ``bench.kv_throughput``, 23% on the Mooncake replay). tiktoken runs the same
-byte-level BPE (a regex pre-split, then merges by rank) 5.5x faster on the multi-turn
-workload's messages (574k characters: 0.149-0.159 s against 0.027-0.030 s, this machine,
-2026-12-03), with the same ids on all 813 distinct texts.
+The router tokenizes every new message and prompt piece it routes, with HF ``tokenizers``
+a large share of its CPU under ``bench.kv_throughput`` and on the Mooncake replay.
+tiktoken runs the same byte-level BPE (a regex pre-split, then merges by rank) several
+times faster, with the same ids on every text checked
+(``docs/decisions/0006-tokenizer-fast-path.md``).
 
 It applies when ``tokenizer.json`` is a plain byte-level BPE: no normalizer, a GPT-2
 ``ByteLevel`` pre-tokenizer with its regex, or one regex ``Split`` then ``ByteLevel``
@@ -33,7 +32,7 @@ Encoder = Callable[[str], list[int]]
 _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # Texts every fast encoder must agree on beside the caller's: what pre-splits differ on.
 _CHECKS = (
-    "Hello, world! It's 2026-12-03; we've 3.14 apples & 42 pears.",
+    "Hello, world! It's 1999-12-31; we've 3.14 apples & 42 pears.",
     "  leading spaces\n\n\ttabs\r\nand CRLF   trailing   ",
     "Ünïcödé, 日本語のテキスト, emoji 🙂🚀 and ‘quotes’ — dashes…",
     "def f(x):\n    return x ** 2  # comment\n\nclass A:\n    pass\n",

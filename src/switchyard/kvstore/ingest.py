@@ -141,7 +141,7 @@ class Ingestor:
     def ops(self, batch: EventBatch) -> list[Op]:
         """Index operations for one batch, in event order. Consecutive removals from one
         tier become one ``Remove``: vLLM publishes one ``BlockRemoved`` per evicted block,
-        and on the Mooncake replay (2026-12-05) 20 of a batch's 21 events were those."""
+        and on the Mooncake replay nearly all of a batch's events are those."""
         rank = self.default_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
         self.ranks_seen.add(rank)
         st = self.stats

@@ -49,8 +49,8 @@ class MemoryIndex:
         self._all_mask = 0
         # Speculative entries: (key, bit) -> expiry, and a heap to expire them in order,
         # one item per placement: (expiry, sequence number, its keys, bit). One push per
-        # placement, not per block (2026-12-01: a 160-block placement took 250 us with a
-        # push per block, and the heap held every repeat until it expired).
+        # placement, not per block: a push per block made a long placement slow, and the
+        # heap held every repeat until it expired.
         self._spec: dict[tuple[int, int], float] = {}
         self._spec_heap: list[tuple[float, int, list[int], int]] = []
         self._spec_seq = 0

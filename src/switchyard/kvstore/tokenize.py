@@ -20,8 +20,8 @@ prefix share its pieces; probes at load time check each cut rule for this tokeni
 Both caches share one bound in bytes.
 
 A byte-level BPE tokenizer is run by tiktoken where it gives the same ids
-(``kvstore.bpe``; 5.5x faster). Long uncached text is tokenized in one worker thread
-(tiktoken and HF ``tokenizers`` release the GIL), first in, first out: the event loop
+(``kvstore.bpe``; several times faster). Long uncached text is tokenized in one worker
+thread (tiktoken and HF ``tokenizers`` release the GIL), first in, first out: the event loop
 stays free and requests are decided in the order they came.
 
 Length (about 730 lines): the three modes, the two caches and their load-time checks must
@@ -65,8 +65,8 @@ _FRAME_CHARS = 16
 _ENTRY_BYTES = 240
 # A newline between two non-spaces; a space after a non-space and before a letter. Each
 # pattern starts with its literal so ``re`` scans for it at memchr speed; led by the
-# lookbehind it tried every position: 78 against 7 us to cut a Mooncake message of
-# 6,400 characters (2026-12-05).
+# lookbehind it would try every position, an order of magnitude slower on a long message
+# (see docs/benchmarks.md, router_cpu).
 _NEWLINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")
 _SPACE_CUT = re.compile(r" (?<=\S )(?=[^\W\d_])")
 _PROBES = (
@@ -552,8 +552,8 @@ class RoutingTokenizer:
 
         No engine holds the KV of a message its router never saw (a repeat is cached once
         its first answer came, so it is seen), so routing needs only the length of that
-        message: the next turn's new user text, most of what a turn adds (2026-12-01:
-        about 1,000 of 1,130 new characters a turn of the multi-turn bench). None where
+        message: the next turn's new user text, most of what a turn adds on the multi-turn
+        bench. None where
         the template does not render message by message, or the last message is cached.
         """
         layout = self._layout
@@ -575,10 +575,8 @@ class RoutingTokenizer:
         """One message's part of a render, when it starts at a boundary no token crosses.
 
         A plain message (a role and a string) is framed without the template once the
-        template proved to put such content in as it is (``_frame``): under cProfile the
-        renders were 7% of a multi-turn request's router time at 1,000 req/s (2026-12-05;
-        ``bench.kv_throughput`` showed no change beyond its noise, the Mooncake lookups
-        offline 205 -> 191 us).
+        template proved to put such content in as it is (``_frame``): a template render
+        per message was a visible part of a multi-turn request's router time.
         """
         role, content = message.get("role"), message.get("content")
         if len(message) == 2 and isinstance(role, str) and isinstance(content, str):
@@ -660,9 +658,8 @@ class RoutingTokenizer:
         """Inline or in the worker thread, with tiktoken where it is exact (``kvstore.bpe``;
         it releases the GIL too). Else HF's ``encode_batch_fast``, which releases the GIL
         (``encode`` does not) and skips the offsets. One text a call: a batch of several
-        spreads them over rayon's threads, which cost more than they gave here. On the
-        multi-turn bench's new messages, with a fresh tokenizer (2026-12-01): 436-484 us
-        a lookup against 580 with ``encode`` and 512-645 with the pieces batched."""
+        spreads them over rayon's threads, which cost more than they gave on the
+        multi-turn bench's new messages (``docs/decisions/0006-tokenizer-fast-path.md``)."""
         if self._fast is not None:
             return [self._fast(t) for t in texts]
         assert self._tok is not None
