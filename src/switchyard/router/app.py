@@ -2,7 +2,7 @@
 
 The three inference routes are handled by a bare ASGI function (no framework
 routing, no per-request pydantic model, orjson only for the fields routing
-needs), which measured ~3x faster than a FastAPI route on this path. Every other
+needs), several times cheaper than a FastAPI route on this path. Every other
 path (health, models, metrics, admin, docs) goes to the FastAPI control app.
 """
 

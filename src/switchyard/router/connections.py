@@ -3,14 +3,14 @@ time and number.
 
 The router's own protocol in place of uvicorn's httptools one; uvicorn still owns the
 listening sockets, the processes, lifespan and shutdown (it makes this protocol through
-``Config(http=...)``, and shuts connections down through ``shutdown``). Measured
-2026-12-03 (wrk, one core, a trivial ASGI app): uvicorn's protocol cost 62-75 us of CPU a
-request against 29-33 us for a bare httptools protocol; in front of nginx it was the
-largest piece of the router's own Python after the two loopback sends (py-spy: ~15%).
-What it does for each request here and no more: the scope, the body as it arrives, the
-response head held back and written with the first body bytes (one send where there
-were two), ``Content-Length`` or chunked framing, keep-alive, pipelining in order,
-write flow control, and a client-gone callback (``CLIENT_GONE``) so the router needs no
+``Config(http=...)``, and shuts connections down through ``shutdown``). uvicorn's
+protocol costs about twice the CPU of a bare httptools protocol a request, and was the
+largest piece of the router's own Python after the two loopback sends
+(``docs/decisions/0001-http-server-protocol.md``). What it does for each request here
+and no more: the scope, the body as it arrives, the response head held back and
+written with the first body bytes (one send where there would be two),
+``Content-Length`` or chunked framing, keep-alive, pipelining in order, write flow
+control, and a client-gone callback (``CLIENT_GONE``) so the router needs no
 task a request that waits for ``http.disconnect``.
 
 Bounds (uvicorn has a keep-alive timeout but no deadline for a request's head or body:
@@ -26,8 +26,8 @@ descriptor for ever):
   (``too_many_connections``) and its connection closed;
 - a request head still incomplete after ``max_header_bytes`` is answered 431 and its
   connection closed as the bytes arrive: httptools holds a header's bytes until the
-  header ends. Measured 2026-12-01 (one 64 MiB header over a raw socket): with the app's
-  own 431, 431 after 18 s and peak RSS 90 -> 222 MB; refused here, 431 in 0.3 s, 91 MB.
+  header ends, so a huge header left to the app would be held whole in memory and
+  answered only once it had all arrived.
 """
 
 from __future__ import annotations
@@ -336,8 +336,8 @@ class ClientConnection(asyncio.Protocol):
     def _arm(self, kind: str, seconds: float, expired: Callable[[], None]) -> None:
         """Set the connection's one deadline. Its timer is made only when none is pending
         or the new deadline comes first; one that fires early re-arms for the current one.
-        Three timers a request (head, body, idle) were 2% of the router's CPU in py-spy on
-        the fixed backend (2026-12-03)."""
+        Three timers a request (head, body, idle) showed in the router's profile on the
+        fixed backend."""
         due = self.loop.time() + seconds
         self._deadline_kind, self._due, self._expired = kind, due, expired
         timer = self._timer
@@ -569,8 +569,8 @@ class ClientConnection(asyncio.Protocol):
         finally:
             # The scope holds ``when_gone``, bound to the exchange that holds the scope: left
             # as a cycle, each request's objects waited for the collector, whose young
-            # collections then freed ~80k objects at once (115 ms pauses, p99 at 32
-            # connections 20 -> 100+ ms; measured 2026-12-03).
+            # collections then freed many requests' objects at once, in pauses long enough
+            # to show in the latency tail.
             exchange.scope["extensions"] = None
 
     def answered(self, exchange: Exchange) -> None:

@@ -138,8 +138,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
         fleet = router.fleet
         prefill, decode = fleet.candidates(None, Role.PREFILL), fleet.candidates(None, Role.DECODE)
         routable = len(fleet.candidates(None))
-        if prefill and decode:  # a P/D router serves through the pair (2026-12-01: it never
-            routable += len(prefill) + len(decode)  # answered ready with P/D workers only)
+        if prefill and decode:  # a P/D router serves through the pair, so it is ready
+            routable += len(prefill) + len(decode)  # with P/D workers only
         if router.draining:
             return JSONResponse(
                 status_code=503,

@@ -48,8 +48,8 @@ def next_worker(ranked: list[Worker], attempt: int, timed_out: list[Worker]) -> 
     """The worker of attempt ``attempt``: the policy's order in turn, skipping workers whose
     first byte was already late for this request. When every worker was late, the one late
     most recently: an engine that hangs is tried first and late first, and the last attempt
-    (which waits the full cap) must not go back to it (2026-12-01: with two workers, one hung
-    by SIGSTOP, 1 of 48 requests went hung -> loaded -> hung and waited out the cap)."""
+    (which waits the full cap) must not go back to it: with two workers, one of them hung,
+    a request would go hung, loaded, hung and wait out the cap."""
     turn = attempt % len(ranked)
     if not timed_out:  # every first attempt: no list built on the request path
         return ranked[turn]
@@ -321,8 +321,8 @@ class Forwarder:
             self._first_token(ttft, clocks, ticket, expected, ctx, rank)
             await send({"type": "http.response.body", "body": first, "more_body": True})
             # The app's send offers the server's piece writer (``router.app._Response``);
-            # a getattr, not an isinstance of a runtime-checkable Protocol, which py-spy
-            # showed on the request path (typing._get_protocol_attrs, 2026-12-05).
+            # a getattr, not an isinstance of a runtime-checkable Protocol, whose attribute
+            # walk (typing._get_protocol_attrs) is too slow for the request path.
             offered = getattr(send, "stream_writer", None)
             tail = await self.relay.stream(
                 resp,

@@ -41,8 +41,8 @@ def valid_request_id(value: bytes) -> bool:
 
 def new_request_id() -> bytes:
     """An id for a request that brought none (or one the router would not echo): this
-    process's random prefix and a count, 32 hex digits. One ``os.urandom`` a request was
-    a system call each (1.2% of two router processes' CPU, py-spy 2026-12-03)."""
+    process's random prefix and a count, 32 hex digits: one ``os.urandom`` a request would
+    be a system call each."""
     return b"%s%016x" % (_ID_PREFIX, next(_ID_COUNT))
 
 

@@ -148,8 +148,8 @@ class EmbeddedPrefixes:
         bus directory) and sends the index operations they become; the others apply those
         and keep their subscribers stopped until the lock comes free (its process ended),
         then follow the events themselves, catching up from the engines' replay buffers.
-        Each process re-keying every event was a third of each one's CPU on the
-        multi-turn replay with two processes (py-spy, 2026-12-03)."""
+        Each process re-keying every event was a large share of each one's CPU on the
+        multi-turn replay."""
         self._events_lock = ProcessLock(bus.directory / "kv-events.lock")
         bus.on(OPS, self._on_sibling_ops)
         self.store.on_ops = lambda instance, size, ops: bus.publish(
@@ -180,9 +180,7 @@ class EmbeddedPrefixes:
 
     def _share_tokens(self, model: str) -> Callable[[bytes, list[int]], None]:
         """Tell the other processes each chat message this one tokenizes: the next turn of a
-        conversation comes to any of them, and finds its history cached there. (2026-12-02,
-        ``bench.router_cpu multiturn``, two processes: router CPU 17.2 CPU-s per 1,000
-        requests before, 17.85 after; the cost left is elsewhere.)"""
+        conversation comes to any of them, and finds its history cached there."""
         bus = self.siblings
         assert bus is not None
 
@@ -223,9 +221,9 @@ class EmbeddedPrefixes:
         """Tokenize a long prompt only as far as some worker's match reaches, and a chat
         without a last message the router never saw (``_probe_chat``).
 
-        Tokenizing costs ~1.5 us per token, on the request's path and on the one event
-        loop: a burst of long prompts queues behind it (the Mooncake trace's bursts of
-        ten added ~15 ms to everyone's TTFT). Matches are consecutive from block 0, so
+        Tokenizing costs CPU per token, on the request's path and on the one event loop:
+        a burst of long prompts (the Mooncake trace has them) queues behind it and adds to
+        everyone's TTFT. Matches are consecutive from block 0, so
         once every worker's match ends inside a head of the prompt, the rest of the
         prompt cannot change them: routing needs only its length. Heads grow fourfold
         from ``PROBE_CHARS``. The placement records the probed head; a worker without
@@ -236,11 +234,10 @@ class EmbeddedPrefixes:
         messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
         if messages is not None:
             # Earlier turns come from the message cache: at most a turn's new text is left.
-            # A single new message is probed at its head below, whatever its length
-            # (2026-12-05, ``bench.router_cpu mooncake --against HEAD``: 1.44 -> 1.29
-            # CPU-s per 1,000 requests with one process, most of the trace's prompts
-            # being one message of under ``OFFLOAD_CHARS``; with two, no change beyond
-            # the noise; hit rate 0.147 against smg's 0.145).
+            # A single new message is probed at its head below, whatever its length: most
+            # of the Mooncake trace's prompts are one message under ``OFFLOAD_CHARS``, and
+            # tokenizing them whole costs CPU for no better routing (see
+            # docs/benchmarks.md, router_cpu).
             new_chars = tok.uncached_chars(messages)
             single = len(messages) == 1 and new_chars is not None and new_chars > PROBE_CHARS
             if new_chars is not None and new_chars <= OFFLOAD_CHARS and not single:
@@ -524,8 +521,8 @@ class KVAwareness:
     def sync_counters(self) -> None:
         """Move the tokenizer and block-key cache counters by what those caches counted
         since the last sync: run before each /metrics, and every ``COUNTER_SYNC_S`` under
-        ``--processes``. Done on every request it cost 3.4% of the router's samples on
-        the fixed backend (py-spy, 2026-12-05: ``cache_stats`` built its dicts each time)."""
+        ``--processes``, not on every request: ``cache_stats`` builds its dicts each
+        time, a visible cost on the fixed backend."""
         if not isinstance(self.source, EmbeddedPrefixes):
             return
         store = self.source.store
@@ -570,9 +567,9 @@ class KVAwareness:
         (events confirm the entry, or it expires after ``event_lag_ttl_s``). There only
         the blocks past what the lookup found at the worker are recorded: the rest is
         held there, or on its way with an earlier request whose events confirm it. On a
-        multi-turn chat that is most of a prompt, recorded in each process (2026-12-04:
-        placements were 12% of each of two processes' samples under
-        ``bench.kv_throughput``). Estimated entries are all recorded again, which renews
+        multi-turn chat that is most of a prompt, recorded in each process, and recording
+        it whole was a large share of each process's CPU under ``bench.kv_throughput``.
+        Estimated entries are all recorded again, which renews
         their TTL.
         """
         if ctx.prefix is None:

@@ -1,10 +1,9 @@
 """The router server's main loop: one wake-up a second, not uvicorn's ten.
 
 uvicorn's ``Server.main_loop`` sleeps 0.1 s at a time to see whether it should exit and
-refreshes the Date header every tenth time. A wake-up of an idle loop costs about 180 us
-of CPU on this machine (2026-12-04: a uvloop loop ticking at 10 Hz used 1.8 ms a second,
-at 0.5 Hz 0.1 ms), so each router process spent 1.8 ms a second on the tick, a fifth of an
-idle two-process router's CPU. Here the loop waits a second for the Date header, and an
+refreshes the Date header every tenth time. Each wake-up of an idle loop costs CPU, and
+ten a second per process were a large part of an idle router's CPU
+(``bench.router_cpu --idle``). Here the loop waits a second for the Date header, and an
 exit asked for through ``request_exit`` wakes it at once.
 """
 

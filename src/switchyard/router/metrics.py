@@ -60,9 +60,9 @@ def write_metrics_behind() -> None:
     """Make this process's multiprocess-mode metrics write their files behind their values.
 
     prometheus_client's own multiprocess value writes its file (an mmap) on every increment,
-    under a lock, after asking ``os.getpid()`` (a system call) to notice a fork: about 18
-    writes a request here, 7% of two router processes' CPU for the pid calls alone and 7%
-    more for the writes and the lock (py-spy, wrk against nginx, 2026-12-03). A router
+    under a lock, after asking ``os.getpid()`` (a system call) to notice a fork: many
+    writes a request here, a sizeable share of a router's CPU for the pid calls, the
+    writes and the lock (``docs/decisions/0005-metrics-write-behind.md``). A router
     process never forks once it serves, and its metrics change on its event loop only: each
     value now changes in memory and is written by ``flush_metric_files``: within
     ``FLUSH_INTERVAL_S`` of the first change since the last write (a timer on the loop

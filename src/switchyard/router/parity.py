@@ -307,9 +307,9 @@ class ParityMonitor:
     worker's verdict changes, to one log line naming the likely cause.
 
     Of several router processes (``siblings``) one checks, the holder of a lock file in
-    their directory, and tells the others each result. When each process sent its own
-    canaries, kv_aware's multi-turn hit rate with two processes fell to 0.796 against
-    0.885 without canaries (2026-12-01, ``bench.compare_routing multiturn``).
+    their directory, and tells the others each result: when each process sent its own
+    canaries, they polluted the engines' caches enough to lower kv_aware's multi-turn hit
+    rate (``bench.compare_routing multiturn``).
     """
 
     def __init__(

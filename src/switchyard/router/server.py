@@ -274,13 +274,13 @@ class ClosingSupervisor(Multiprocess):
     """uvicorn's process supervisor, closing its own copy of the listening socket once it
     has passed SIGTERM on. uvicorn's keeps it open until every process has exited, so
     while they finish their requests the kernel still accepted connections that no
-    process would take, and reset them at exit: 1 of 48 requests lost in
-    ``bench.faults``' SIGTERM row under ``--processes 2`` (2026-12-01). Closed, a new
+    process would take, and reset them at exit, losing requests in ``bench.faults``'
+    SIGTERM row under ``--processes 2``. Closed, a new
     connection is refused once the processes have closed theirs, as with one process.
 
     It also pings its processes every ``PING_INTERVAL_S``, not every 0.5 s: each ping wakes
-    a thread of every process, which takes the GIL from its event loop; the pings and pongs
-    were a third of an idle two-process router's py-spy samples (2026-12-03). A process that
+    a thread of every process, which takes the GIL from its event loop, and at that rate
+    the pings and pongs were much of an idle router's CPU. A process that
     exits is still seen within 0.5 s (``is_alive`` of the process, no ping)."""
 
     def __init__(self, config: uvicorn.Config, sockets: list[socket.socket]) -> None:
@@ -292,10 +292,8 @@ class ClosingSupervisor(Multiprocess):
     def _stop_signal(self, sig: int, frame: FrameType | None) -> None:
         """Queue the signal for uvicorn's loop, and pass SIGTERM on to the processes now:
         the loop reads its queue only between health pings of every process (up to 5 s
-        each when a process is busy), so their drain could begin late. Measured
-        2026-12-01, ``bench.faults --only sigterm`` under ``--processes 2`` with a 5 s
-        shutdown timeout: 11.4 s to exit at load average 20 before (not reproduced
-        since); on a quiet machine 6.0 s before, 5.7 s after."""
+        each when a process is busy), so their drain could begin late and the exit
+        overrun the shutdown timeout (``bench.faults --only sigterm``)."""
         self.signal_queue.append(sig)
         for process in self.processes:
             pid = process.process.pid
@@ -354,8 +352,8 @@ def _logging(settings: RouterSettings) -> None:
 
 def _tune_gc() -> None:
     """The data path allocates few long-lived objects: move start-up objects out of the
-    collector's view and collect young ones less often. Measured with wrk at 32
-    connections: latency stdev 10 ms -> 3.4 ms, max 92 ms -> 40 ms, same req/s."""
+    collector's view and collect young ones less often, which narrows the latency spread
+    and tail at the same throughput."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(100_000, 50, 100)
@@ -366,9 +364,9 @@ def _return_large_buffers() -> None:
 
     glibc raises its mmap threshold after the first large buffer is freed (up to 32 MiB),
     and later large buffers then come from the heap, which it does not shrink. Pinning the
-    threshold keeps every buffer over 128 KiB in its own mapping, unmapped on free.
-    Measured 2026-11-30, two 31 MiB bodies: RSS afterwards +21-35% of baseline in 4 of 6
-    runs without this. No effect off glibc.
+    threshold keeps every buffer over 128 KiB in its own mapping, unmapped on free, so a
+    couple of huge bodies do not leave the process's RSS raised for good. No effect off
+    glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -379,9 +377,9 @@ def _return_large_buffers() -> None:
 
 # What a router process needs after its graceful window to answer the cancelled requests,
 # close its clients and exit; under --processes the supervisor needs as long again to see
-# its processes gone (it polls every 0.5 s, between health pings). Measured 2026-12-01,
-# bench.faults sigterm rows, 5 s timeout: with no reserve, exit after 5.2 s (one
-# process) and 5.7 s (two); with 1 s reserved for both, 4.2 s and 5.0 s.
+# its processes gone (it polls every 0.5 s, between health pings). Without the reserves
+# the exit overran the shutdown timeout in bench.faults' sigterm rows; with them it ends
+# within it.
 EXIT_RESERVE_S = 1.0
 SUPERVISOR_RESERVE_S = 1.0
 

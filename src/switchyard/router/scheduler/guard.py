@@ -5,8 +5,9 @@ every request goes there, its queue grows, its cache churns (the cache-aware
 "death spiral" the peers' users report). The guard demotes any worker that would
 go above (1 + epsilon) x the mean in-flight load (plus a small absolute slack so
 light traffic keeps its affinity) while some candidate stays within the bound.
-The defaults (0.5, 4) held the multi-turn demo workload at the hit-rate ceiling
-(0.879 of 0.885) where (0.25, 2) gave 0.858 and no guard 0.82 with 3.3x spread.
+The defaults (0.5, 4) held the multi-turn demo workload near its hit-rate ceiling,
+where a tighter bound cost hit rate and no guard cost both hit rate and an even spread
+(``bench.compare_routing multiturn``).
 """
 
 from __future__ import annotations

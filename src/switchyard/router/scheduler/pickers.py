@@ -76,8 +76,8 @@ class MaxScorePicker:
     The rotation follows the later of this picker's own last pick of a worker and the
     last request begun on it by any process (``Worker.begun_at``). With its own picks
     alone, the processes of one router rotated in step and sent new conversations to the
-    same half of the fleet (2026-12-02, ``bench.compare_routing multiturn``, kv_aware,
-    two processes: hit rate 0.799 and max/mean load 2.88 against one process's 0.885).
+    same half of the fleet, lowering kv_aware's hit rate and loading it unevenly
+    (``bench.compare_routing multiturn``).
     """
 
     name = "max_score"

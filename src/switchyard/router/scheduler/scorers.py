@@ -55,11 +55,10 @@ class KVAwareScorer:
     request away from the worker that holds most of its prefix copies that prefix: the
     copy evicts other prefixes and the next turn of the conversation finds two half-warm
     workers instead of one warm one. Its weight (10 blocks per block copied) is measured,
-    not derived: 0 -> 5 lifted the Mooncake hit rate 0.13 -> 0.145 and, under saturation,
-    0.82 -> 0.89 with TTFT p90 halved (bench/compare_routing.py); 5 -> 10 lifted it in
-    each of four 1,000-request windows of the trace (``switchyard simulate``, mean 0.153
-    -> 0.158, 7.5 to 12.5 alike) and left saturation's TTFT p90 equal or lower
-    (2026-12-05). Scores are min-cost relative: the cheapest worker gets 1.0, one twice as
+    not derived: a copy cost lifted the hit rate on the Mooncake trace and under
+    saturation, with a lower TTFT p90 (``bench.compare_routing``), and this weight did
+    best over several windows of the trace in ``switchyard simulate`` (see
+    docs/benchmarks.md). Scores are min-cost relative: the cheapest worker gets 1.0, one twice as
     expensive about 0.5.
     """
 
@@ -94,8 +93,8 @@ class KVAwareScorer:
     def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
         bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
         # One pass per input over the candidates, no per-worker function calls besides
-        # load(): at 1,000 workers this loop was half of a simulated decision (py-spy,
-        # 2026-12-01). The arithmetic is the cost formula above, term for term.
+        # load(): over a thousand workers this loop is most of a simulated decision. The
+        # arithmetic is the cost formula above, term for term.
         matched = ctx.matched
         m = [matched.get(w.id, 0.0) for w in workers] if matched else [0.0] * len(workers)
         best_match = max(m, default=0.0)
