@@ -4,7 +4,7 @@ It starts a fleet of mock engines with deliberately small KV caches, then replay
 multi-turn chat workload (tenants with shared system prompts, growing conversations)
 through round_robin and through our best available prefix-aware policy (kv_aware,
 else cache_aware, else least_load), plus smg's cache_aware when smg is installed,
-each on the same reset fleet. About a minute and a half on a 2-core machine.
+each on the same reset fleet. It takes a minute or two.
 """
 
 from __future__ import annotations

@@ -66,8 +66,8 @@ class MockFleet:
 
     def start(self, timeout_s: float = 60.0, check_each: bool = True) -> MockFleet:
         """Start the fleet; with ``check_each`` also wait for every engine's ``/health`` in
-        turn (mock-fleet prints its description once every process serves; checking 2,000
-        engines one by one took 3-6 minutes on a loaded machine, 2026-12-01)."""
+        turn (mock-fleet prints its description once every process serves; checking
+        thousands of engines one by one takes minutes)."""
         http = free_port_block(2 * self.count)  # one block: two separate ones could overlap
         zmq = http + self.count
         args = [

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import httpx
 
-# How long a killed process may take to be reaped: a router took over 5 s beside a
-# NixlConnector pair that kept the CI machine's cores busy (2026-12-02).
+# How long a killed process may take to be reaped: a router beside a NixlConnector pair
+# that keeps the cores busy can take several seconds.
 KILL_WAIT_S = 60.0
 
 
@@ -103,8 +103,8 @@ def python_from(code: Path | None) -> tuple[list[str], dict[str, str]]:
 
 
 def free_port() -> int:
-    """One free loopback port, chosen as ``free_port_block`` chooses (CI, 2026-12-03: a port
-    the kernel handed out for port 0 was taken again before the mock engine bound it)."""
+    """One free loopback port, chosen as ``free_port_block`` chooses: a port the kernel
+    hands out for port 0 can be taken again before the server binds it."""
     return free_port_block(1)
 
 
@@ -124,8 +124,8 @@ before the first caller's server has bound its own."""
 def free_port_block(n: int, rng: random.Random | None = None) -> int:
     """First port of ``n`` consecutive free loopback ports, below the kernel's ephemeral
     range: a port chosen inside it could be taken by another process's outgoing or
-    port-0 socket before its server binds it (CI, 2026-12-01: a vLLM engine of the P/D
-    pair exited with "Address already in use" while the other engine started)."""
+    port-0 socket before its server binds it (a vLLM engine of a P/D pair exits with
+    "Address already in use" when the other engine's sockets took its port)."""
     rng = rng or random.Random()
     high = max(_ephemeral_low(), 20000 + n + 1)
     for _ in range(200):

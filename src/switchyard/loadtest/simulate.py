@@ -206,8 +206,8 @@ class _Children:
     """A labelled Prometheus metric whose children are looked up once per label set.
 
     ``labels()`` takes a lock and builds a key on every call; the store calls it for every
-    event batch, which was 14% of a round_robin simulation's CPU at 1,000 engines (py-spy,
-    2026-12-01). The children are the metric's own, so the figures are the same.
+    event batch, a visible share of a simulation's CPU over a thousand engines. The
+    children are the metric's own, so the figures are the same.
     """
 
     def __init__(self, metric: Any) -> None:

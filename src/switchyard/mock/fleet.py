@@ -61,11 +61,11 @@ def plan_fleet(
 
 
 # Engines per serving process when --processes is not given: 2,000 engines with events
-# and a router in front need about 10 files each (measured 2026-12-01: 5.1 per idle
-# engine, plus the router's keep-alive, probe and event connections), so 500 stay well
+# and a router in front need about 10 files each (about 5 per idle engine, plus the
+# router's keep-alive, probe and event connections), so 500 stay well
 # inside a 20,000 hard limit and 1,023 is never near the ZMQ socket limit of 65,535.
 ENGINES_PER_PROCESS = 500
-# ZMQ sockets per DP rank with events (mockengine.kvevents: PUB, an inproc PUSH/PULL
+# ZMQ sockets per DP rank with events (switchyard.mock.kvevents: PUB, an inproc PUSH/PULL
 # pair to its thread) and one more with a replay socket.
 _ZMQ_SOCKETS_PER_RANK = 3
 # Open files: per ZMQ socket its mailbox; per rank the PUB listener and a subscriber;

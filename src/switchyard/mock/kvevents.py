@@ -137,7 +137,7 @@ class KVEventPublisher:
         self.dp_rank = dp_rank
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         # A counter, not id(self): an id comes back for a new publisher while the inbox of
-        # a collected one may still be bound (CI, 2026-12-01: "Address already in use").
+        # a collected one may still be bound ("Address already in use").
         self._inbox_addr = f"inproc://kvevents-{next(_INBOXES)}"
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._seq = itertools.count()

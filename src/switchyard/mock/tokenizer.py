@@ -62,7 +62,7 @@ class ModelTokenizer:
         are tokenized once. Engines do not cache this; the mock's tokenizing is not what it
         models. Exact because a special token matched as written and taking no neighbouring
         whitespace splits the text before the model sees it. Tokenizing every prompt whole
-        was 75% of the mock fleet's CPU under ``bench.kv_throughput`` (2026-12-03)."""
+        was most of the mock fleet's CPU under ``bench.kv_throughput``."""
         parts = self._split.split(text) if self._split is not None else [text]
         if len(parts) == 1:
             return self._encode_fast(text)
@@ -88,8 +88,8 @@ class ModelTokenizer:
         return ids
 
     def _encode_fast(self, text: str) -> list[int]:
-        """``Tokenizer.encode``'s ids without its offsets: 10.4 against 14.5 ms for a
-        7,661-token prompt (2026-12-03)."""
+        """``Tokenizer.encode``'s ids without its offsets, which a long prompt pays for and
+        the mock never reads."""
         return self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int]) -> str:

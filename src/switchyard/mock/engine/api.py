@@ -1,6 +1,6 @@
 """The contract between the engine model and what drives or serves it.
 
-The HTTP server (``mockengine/server``) only ever talks to :class:`AsyncEngine`
+The HTTP front (``switchyard.mock.app``) only ever talks to :class:`AsyncEngine`
 through these types, so the engine model can change without touching the API.
 """
 

