@@ -72,7 +72,7 @@ def test_soft_file_limit_is_raised_to_the_hard_limit() -> None:
 def test_serving_process_sizes_its_zmq_context_for_its_engines() -> None:
     code = (
         "import zmq\n"
-        "from mockengine.fleet import plan_fleet, size_zmq_context\n"
+        "from switchyard.mock.fleet import plan_fleet, size_zmq_context\n"
         "size_zmq_context(plan_fleet(None, {}, 600, 20000, 0, 0, 30000))\n"
         "print(zmq.Context.instance().get(zmq.MAX_SOCKETS))\n"
     )
