@@ -51,14 +51,14 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mooncake": {
         "workload": "mooncake",
         # 1,000 requests (330 s of trace) in 13 s; 32 tokens per hash id keeps the
-        # trace's reuse at a size two cores can tokenize; 2,000 blocks per engine make
-        # the bounded ceiling (0.16) fall visibly below the unbounded one (0.21).
+        # trace's reuse at a size the mock fleet can tokenize; 2,000 blocks per engine
+        # make the bounded hit-rate ceiling fall visibly below the unbounded one.
         "params": {"limit": 1000, "speedup": 25.0, "block_tokens": 32, "max_output_tokens": 8},
         "blocks": 2000,
     },
     # Prefill 30x slower than the H100 fit: round_robin's misses queue up, hits do not.
-    # 20 req/s is above what round_robin (about 6) and smg cache_aware (about 12)
-    # sustain; at 10 req/s kv_aware and smg both serve the whole offered rate.
+    # 20 req/s is above what round_robin and smg cache_aware sustain, so the routers'
+    # TTFT and throughput part; at half that, kv_aware and smg both serve it all.
     "saturation": {
         "workload": "multiturn",
         "params": {**MULTITURN, "rate": 20.0},

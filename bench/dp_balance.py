@@ -2,7 +2,7 @@
 to the mean?
 
 In wide expert-parallel serving every DP rank's step waits for the slowest rank, so one
-engine with N ranks is simulated here as N mock-engine cores (``mockengine.engine.core``,
+engine with N ranks is simulated here as N mock-engine cores (``switchyard.mock.engine.core``,
 the same core the mock server runs, BLIS-fit timing) stepped in lockstep: each global
 step lasts as long as the slowest rank's step. Requests are placed by the balancer's own
 ``Fleet.choose_rank`` / ``begin`` / ``first_token`` / ``end`` (the code the router runs),
@@ -26,9 +26,9 @@ rank's load) summed over the next 256 steps. It shows what exact foresight of de
 buys a greedy one-request-at-a-time choice.
 
 Each concurrency and seed is one scenario; the summary says for each whether the DP-balance
-target holds (issue 13): step_balanced's max/mean rank load within 3% of the clairvoyant
-reference's, with the EP-step times side by side. Issue 5's fixed 1.15 was dropped: even
-clairvoyant placement does not reach it at concurrency 64.
+target holds: step_balanced's max/mean rank load within 3% of the clairvoyant
+reference's, with the EP-step times side by side. The target is relative, not a fixed
+ratio, because even clairvoyant placement does not reach a fixed 1.15 at concurrency 64.
 
 Run:  python -m bench.dp_balance [--ranks 8] [--concurrency 64 96 128 256] [--requests 3000]
                                  [--seed 1 2 3] [--no-clairvoyant] [--mode decode|unified]

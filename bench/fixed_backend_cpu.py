@@ -1,8 +1,9 @@
 """Router CPU a request on the fixed backend: this checkout against another commit (and smg).
 
 ``bench.overhead`` gives the req/s ratio to smg; this gives what a code change did to the
-router's own cost, which that ratio hides in noise on a shared 2-core machine (its runs
-here went 0.74-0.82x on one commit, 2026-12-03). Each router runs its default command in
+router's own cost, which that ratio hides in noise when the load generator, the backend
+and the router share a few cores (its runs vary by several percent on one commit). Each
+router runs its default command in
 front of nginx; wrk loads them in rotating order, ``--rounds`` times, and each run's
 router CPU (its processes', from /proc) is divided by the requests it answered.
 

@@ -1,7 +1,7 @@
 """KV-aware routing of multi-turn chats at the highest rate one router sustains.
 
-Issue 12 asks for 1,000 req/s of KV-aware routing of long multi-turn chats through one
-router on this machine. ``bench.router_cpu`` replays chats at their arrival times; this
+The target is 1,000 req/s of KV-aware routing of long multi-turn chats through one
+router. ``bench.router_cpu`` replays chats at their arrival times; this
 one sends them as fast as the router answers: wrk (C, from Debian) posts the multi-turn
 workload's chat bodies in their order, as non-streamed requests for a few tokens, to
 mock engines at high speed, with ``--connections`` open at once. It prints req/s, the

@@ -1,4 +1,4 @@
-"""A router in front of a large mock fleet (issue 13 item 5): does it hold 2,000 engines?
+"""A router in front of a large mock fleet: does it hold 2,000 engines?
 
 Starts ``switchyard mock-fleet --count N`` with KV events on (one process per 500
 engines), one ``switchyard router --policy kv_aware`` with every engine as a worker and

@@ -5,12 +5,12 @@
 1. short non-stream requests/s (max_tokens=1) against one ``switchyard mock`` process;
 2. streamed tokens/s (max_tokens=200, stream=true) against the same process;
 3. virtual-clock simulation speed: simulated requests per wall second of
-   ``mockengine.engine.virtual.VirtualFleet`` (16 engines, Poisson arrivals).
+   ``switchyard.mock.engine.virtual.VirtualFleet`` (16 engines, Poisson arrivals).
 
 The load generator runs in another process: ``wrk`` when installed (it costs far less
 CPU than the server), else an aiohttp client. The mock runs with ``--speed 1000`` so
-the modelled GPU time is negligible and the figure is the HTTP front's own cost. On a
-shared 2-core machine the generator and the server compete for CPU: the numbers are a
+the modelled GPU time is negligible and the figure is the HTTP front's own cost. Where
+the generator and the server share cores they compete for CPU: the numbers are a
 floor. Prints one JSON object per measurement.
 """
 

@@ -199,8 +199,8 @@ def compare_on(
 def warm_up(fleet: VllmFleet, workload: Workload, cfg: CompareConfig, console: Console) -> None:
     """One uncounted replay through round_robin, so that what an engine does once (the CPU
     backend's kernels met for the first time at each batch shape) is not charged to the
-    first config measured. 2026-12-01, 2 engines at rate 2 without it: the first run of
-    the first config had TTFT p90 599 ms against 309 and 452 for its later runs."""
+    first config measured: without it the first run of the first config has a much higher
+    TTFT p90 than its later runs."""
     fleet.reset()
     with start_router(RouterSpec.parse("round_robin"), fleet.engines, timeout_s=60.0) as router:
         results = asyncio.run(replay(router.url, workload, MODEL, cfg.request_timeout_s))

