@@ -1,9 +1,8 @@
 """Shared fixtures: free ports, subprocess servers on loopback, a private redis-server.
 
-The real-vLLM tests run last. Their engines are session-scoped (a start costs a minute of
-both cores), so they live until the run ends; run first, they shared the two cores with
-every later test, and a clean-clone CI run on 2026-12-01 failed six timing-bound router
-tests that way (41 minutes of pytest against 25 the run before).
+The real-vLLM tests run last. Their engines are session-scoped (a start costs a minute or
+more of CPU), so they live until the run ends; run first, they would share the cores with
+every later test and make timing-bound router tests fail.
 """
 
 from __future__ import annotations

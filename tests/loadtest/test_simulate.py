@@ -121,7 +121,7 @@ def test_cli_prints_the_table_and_ends_with_one_json_line(tmp_path: Path) -> Non
         (("--policy", "no_such"), "unknown policy"),
         (("--workload", "nope"), "unknown workload"),
         (("--engines", "0"), "engines must be at least 1"),
-        (("--trace", "/tmp/x.jsonl"), "--trace is for --workload mooncake"),
+        (("--trace", "trace.jsonl"), "--trace is for --workload mooncake"),
         (("--workload", "mooncake", "--trace", "/nonexistent.jsonl"), "trace not found"),
     ],
 )

@@ -5,8 +5,8 @@ run; a third engine runs two data-parallel ranks, and the failure test at the en
 ``test_real_dp_engine.py`` kills it. ``test_real_pd.py`` starts two more, with vLLM's
 NixlConnector, for its own module (after the DP engine is gone): the shared pair stays
 without a KV connector, so the other tests measure plain engines. The first three start
-together: a start costs a minute or more of CPU on this two-core machine and overlaps with
-the others' waiting. Without vLLM installed every test here is skipped, with the reason.
+together: a start costs a minute or more of CPU and overlaps with the others' waiting.
+Without vLLM installed every test here is skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -80,8 +80,7 @@ def pd_pair(
 ) -> Iterator[list[VllmEngine]]:
     """A prefill and a decode engine (NixlConnector, role kv_both, KV buffer in host
     memory) on cores 0 and 1, stopped after their module: NIXL's workers keep about a
-    core busy while idle (seen 2026-12-01 in top, mostly system time), which starved the
-    tests after them in a CI run."""
+    core busy while idle (mostly system time), which would starve the tests after them."""
     logs = tmp_path_factory.mktemp("vllm-pd-logs")
     opts = EngineOptions(max_model_len=MAX_MODEL_LEN, served_model_name=MODEL, nixl=True)
     engines: list[VllmEngine] = []
@@ -117,7 +116,7 @@ def start_router(
     port = free_port()
     config = tmp_path / f"router-{port}.yaml"
     section = {"block_size": BLOCK_SIZE, "admin_api_key": ADMIN_API_KEY}
-    # A busy vLLM API server can take over a second to render /metrics on two cores.
+    # A busy vLLM API server can take over a second to render /metrics.
     balancer = {"scrape_timeout_s": 5.0}
     config.write_text(yaml.safe_dump({"router": section, "balancer": balancer}))
     argv = ["router", "--port", str(port), "--policy", policy, "--config", str(config)]

@@ -27,10 +27,10 @@ def engine_metric(engine_url: str, name: str, **labels: str) -> float:
 
 def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
     # Two long streamed answers keep the engines running while the router scrapes them;
-    # the streams are closed once the router has shown the load. (With four requests of 8
-    # answers each, a CI run's router never saw a running request, 2026-12-05. The likely
-    # cause: API servers that busy answer /metrics slower than the scrape timeout, as the
-    # next test's comment records. Two streams leave the API servers nearly idle.)
+    # the streams are closed once the router has shown the load. Many answers at once
+    # would keep the API servers so busy that they answer /metrics slower than the scrape
+    # timeout (see the next test's comment) and the router could miss the running
+    # requests; two streams leave the API servers nearly idle.
     admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
     seen: list[dict] = []
     deadline = time.monotonic() + 120
@@ -75,12 +75,11 @@ def test_an_abandoned_stream_is_aborted_in_the_engine(
     # vLLM does not count client aborts in request_success_total{finished_reason="abort"};
     # an aborted request is one that leaves the engine without finishing by its length.
     # 32 answers of 1900 tokens keep the engine busy for seconds past the disconnect. (A
-    # CI run's busy API server once lagged its engine so far that the running gauge never
-    # showed the request, so the test does not wait for it: it waits for the engine to
-    # settle, and an unaborted request would have finished, counted, by then.) The counts
-    # are read before the request: read while an engine streamed the 32 answers, its
-    # /metrics took 9 to 12 s in 4 tries of 8 (2026-12-05), long enough for all 60,800
-    # tokens to be generated before the client had read a line.
+    # busy API server can lag its engine so far that the running gauge never shows the
+    # request, so the test does not wait for it: it waits for the engine to settle, and
+    # an unaborted request would have finished, counted, by then.) The counts are read
+    # before the request: read while an engine streams the 32 answers, its /metrics can
+    # take long enough for every token to be generated before the client reads a line.
     before = {}
     for engine in pair:
         settled(engine.url)

@@ -48,7 +48,7 @@ def pd_router(pd_pair: list[VllmEngine]) -> Iterator[Server]:
     argv += ["--prefill", prefill.url, "--decode", decode.url]
     argv += ["--tokenizer", str(TOKENIZER_DIR), "--log-level", "warning", "--no-kv-parity"]
     argv += one_process()
-    # A cold router start took over a minute on a loaded two-core machine (2026-12-01).
+    # A cold router start can take over a minute when the engines keep the cores busy.
     server = Server(argv, port, "/ready").start(timeout=180)
     yield server
     server.stop()

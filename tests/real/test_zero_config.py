@@ -126,8 +126,7 @@ def test_a_router_started_after_a_chat_routes_its_repeat_to_the_engine_that_hold
     time.sleep(1.0)  # the engine publishes its events after the step
     # Two processes: the one that follows the events catches up and shares what it learns
     # (each counts the blocks); no parity canaries, whose blocks would count too. Waiting
-    # for one process's blocks let the repeat reach the other before it knew them (a
-    # clean-clone CI run, 2026-12-02).
+    # for one process's blocks would let the repeat reach the other before it knew them.
     processes = 2
     argv = ("--processes", str(processes), "--no-kv-parity")
     with zero_config_router([e.url for e in pair], *argv) as router:

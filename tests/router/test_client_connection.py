@@ -327,7 +327,7 @@ async def test_a_body_before_the_head_is_refused_with_a_500(kind: str) -> None:
 
 
 async def test_an_answered_request_leaves_no_reference_cycle() -> None:
-    """Cycles wait for the collector: at 32 connections its pauses took p99 to 100+ ms."""
+    """Cycles wait for the collector, whose pauses show in the latency tail."""
     gc.collect()
     gc.disable()
     try:
