@@ -36,13 +36,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 
 from switchyard.balancer import dp
 from switchyard.balancer.scrape import Scrape, parse_metrics
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import EngineSample, Worker
+from switchyard.net.errors import TransportError
 from switchyard.net.httpclient import ConnectionPool
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ log = logging.getLogger("switchyard.balancer.probe")
 _MIN_WAKE_GAP_S = 0.05
 # Each interval is drawn from [1 - _JITTER, 1 + _JITTER] times its nominal length.
 _JITTER = 0.1
-# Probe, model and scrape requests in flight at once. At start a 2,000-worker fleet's
-# tasks all probe at once and wait their turn on a semaphore, outside the timeout: queued
-# in aiohttp's connector (limit 100) the wait counted against the 1 s probe timeout,
-# and every worker of a 2,000-engine fleet failed its probes (measured 2026-12-01).
+# Probe, model and scrape requests in flight at once. At start a large fleet's tasks all
+# probe at once and wait their turn on a semaphore, outside the timeout: a wait in a
+# client's connection queue would count against the probe timeout and fail the probes of
+# healthy workers.
 _MAX_CONNECTIONS = 64
 # Idle keep-alive connections to workers stay open this long, longer than a stretched
 # interval, so a probe of a large fleet reuses its connection instead of a new one.
@@ -258,8 +258,8 @@ class Prober:
 
     async def _get(self, url: str, timeout: float) -> tuple[int, bytes]:
         """Status and body of a GET, all within ``timeout``, through the workers' HTTP client
-        the data path uses. With aiohttp's, the probe loop was 38% of an idle two-process
-        router's py-spy samples, most of it in aiohttp's request machinery (2026-12-03)."""
+        the data path uses: a general client's request machinery dominated an idle router's
+        profile (``docs/decisions/0002-http-client.md``)."""
         assert self._pool is not None
         async with self._slots, asyncio.timeout(timeout):
             resp = await self._pool.get(url)
@@ -277,7 +277,7 @@ class Prober:
         try:
             status, _ = await self._get(worker.url + s.probe_path, s.probe_timeout_s)
             ok, error = 200 <= status < 300, f"probe status {status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (TransportError, TimeoutError) as exc:
             ok, error = False, f"probe {type(exc).__name__}"
         if self._registered(worker):
             self._record_probe(worker, ok, error)
@@ -307,7 +307,7 @@ class Prober:
                 return
             data = orjson.loads(body).get("data", [])
             models = {str(item["id"]) for item in data if isinstance(item, dict) and "id" in item}
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError) as exc:
+        except (TransportError, TimeoutError, ValueError, AttributeError) as exc:
             log.debug("model refresh of %s failed: %s", worker.id, exc)
             return
         if models and models != worker.models and self._registered(worker):
@@ -320,7 +320,7 @@ class Prober:
         for url in urls:
             try:
                 status, body = await self._get(url + "/metrics", s.scrape_timeout_s)
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except (TransportError, TimeoutError):
                 status, body = 0, b""
             if status != 200:
                 for counters in worker.ranks:

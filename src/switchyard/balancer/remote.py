@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import aiohttp
+import httpx
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.health import Circuit
@@ -30,6 +30,10 @@ from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
 log = logging.getLogger("switchyard.balancer.remote")
 
 Call = tuple[str, str, dict[str, Any] | None, dict[str, str] | None]
+# Each call to the service, phase by phase (connect, write, read, wait for a connection).
+_TIMEOUT_S = 5.0
+# Connections to the service: the ticket reports of concurrent requests go in parallel.
+_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=15.0)
 
 
 class RemoteFleet:
@@ -49,7 +53,7 @@ class RemoteFleet:
         self.refresh_interval = refresh_interval
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
-        self._http: aiohttp.ClientSession | None = None
+        self._http: httpx.AsyncClient | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._reports: dict[str, asyncio.Task[None] | None] = {}
         self._pending: set[asyncio.Task[Any]] = set()
@@ -63,7 +67,9 @@ class RemoteFleet:
         if self._http is not None:
             return
         auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5), headers=auth)
+        self._http = httpx.AsyncClient(
+            timeout=_TIMEOUT_S, limits=_LIMITS, headers=auth, trust_env=False
+        )
         for method, path, body, params in self._queued:
             await self._call(method, path, body, params)
         self._queued.clear()
@@ -77,7 +83,7 @@ class RemoteFleet:
             self._refresher = None
         await asyncio.gather(*self._pending, return_exceptions=True)
         if self._http is not None:
-            await self._http.close()
+            await self._http.aclose()
             self._http = None
 
     # Mirror
@@ -85,9 +91,9 @@ class RemoteFleet:
     async def refresh(self) -> None:
         """Replace the mirror with the service's view (keeping this router's own counts)."""
         assert self._http is not None
-        async with self._http.get(self.base_url + "/v1/workers") as resp:
-            resp.raise_for_status()
-            listing = await resp.json()
+        resp = await self._http.get(self.base_url + "/v1/workers")
+        resp.raise_for_status()
+        listing = resp.json()
         seen = set()
         for item in listing.get("workers", []):
             spec = WorkerSpec.from_any(item["spec"])
@@ -130,7 +136,7 @@ class RemoteFleet:
             await asyncio.sleep(self.refresh_interval)
             try:
                 await self.refresh()
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            except httpx.HTTPError as exc:
                 log.warning("balancer %s unreachable: %s", self.base_url, exc)
 
     # Reports to the service
@@ -145,12 +151,10 @@ class RemoteFleet:
         if self._http is None:
             return
         try:
-            async with self._http.request(
-                method, self.base_url + path, json=body, params=params
-            ) as resp:
-                if resp.status >= 400:
-                    log.warning("balancer %s %s -> %s", method, path, resp.status)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            resp = await self._http.request(method, self.base_url + path, json=body, params=params)
+            if resp.status_code >= 400:
+                log.warning("balancer %s %s -> %s", method, path, resp.status_code)
+        except httpx.HTTPError as exc:
             log.warning("balancer %s %s failed: %s", method, path, exc)
 
     def _send(

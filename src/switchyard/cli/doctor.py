@@ -13,8 +13,8 @@ import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import click
+import httpx
 
 from switchyard.balancer.scrape import KV_USAGE, RUNNING, SGLANG_CAPACITY, VLLM_CACHE_INFO, WAITING
 from switchyard.kvstore.discovery import EventSource, fetch_sources, worker_url
@@ -86,14 +86,18 @@ class Report:
         return out
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str) -> object:
-    async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
-        r.raise_for_status()
-        return await r.json(content_type=None)
+# Each of doctor's own requests, phase by phase (the parity canary has its own).
+_TIMEOUT_S = 10.0
+
+
+async def _get_json(client: httpx.AsyncClient, url: str) -> object:
+    r = await client.get(url, timeout=_TIMEOUT_S)
+    r.raise_for_status()
+    return r.json()
 
 
 async def examine(
-    session: aiohttp.ClientSession,
+    client: httpx.AsyncClient,
     url: str,
     tokenizer: RoutingTokenizer | None,
     block_size: int,
@@ -102,10 +106,10 @@ async def examine(
     """Everything ``doctor`` says about one worker."""
     report = Report(url)
     try:
-        models = await _get_json(session, url + "/v1/models")
-        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
-            metrics = await r.text() if r.status == 200 else ""
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        models = await _get_json(client, url + "/v1/models")
+        r = await client.get(url + "/metrics", timeout=_TIMEOUT_S)
+        metrics = r.text if r.status_code == 200 else ""
+    except (httpx.HTTPError, ValueError) as exc:
         report.error = f"{type(exc).__name__}: {exc}"
         return report
     report.reachable = True
@@ -126,7 +130,7 @@ async def examine(
     info = labels_of(metrics, VLLM_CACHE_INFO)
     if info and info[0].get("block_size", "").isdigit():
         report.block_size, report.block_size_source = int(info[0]["block_size"]), "metrics"
-    report.sources = await fetch_sources(session, url) or []
+    report.sources = await fetch_sources(client, url) or []
     if report.model is None:
         return report
     store = KVStore(
@@ -140,7 +144,7 @@ async def examine(
         # A SUB socket drops what is published before its connection completes.
         await asyncio.sleep(0.5)
         checker = ParityChecker(store, events_wait_s=events_wait_s)
-        report.parity = await checker.check(session, url, report.model)
+        report.parity = await checker.check(client, url, report.model)
         learned = store.instance_block_sizes.get(url)
         report.events_seen = learned is not None
         if learned is not None:
@@ -157,8 +161,8 @@ async def diagnose(
     urls: list[str], tokenizer_dir: str | None, block_size: int, events_wait_s: float
 ) -> list[Report]:
     tokenizer = RoutingTokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
-    async with aiohttp.ClientSession() as session:
-        return [await examine(session, u, tokenizer, block_size, events_wait_s) for u in urls]
+    async with httpx.AsyncClient(trust_env=False) as client:
+        return [await examine(client, u, tokenizer, block_size, events_wait_s) for u in urls]
 
 
 def _tokenizer_dir(value: str | None) -> str | None:

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
+import httpx
 import orjson
 
 from switchyard.kvstore.index import Match
@@ -21,6 +21,8 @@ from switchyard.kvstore.store import LookupResult
 log = logging.getLogger("switchyard.kvstore.remote")
 
 DEFAULT_BLOCK_SIZE: int = KVStoreSettings.model_fields["block_size"].default
+# Connections to the service: lookups and placements of concurrent requests go in parallel.
+_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=30.0)
 
 
 class RemoteKVStore:
@@ -37,28 +39,28 @@ class RemoteKVStore:
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
         # The service's block size, from its /health; the settings default until then.
         self.block_size = block_size or DEFAULT_BLOCK_SIZE
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # Each call as a whole, waiting for a connection included.
+        self.timeout_s = timeout_s
         self.degraded = False
-        self._session: aiohttp.ClientSession | None = None
+        self._session: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=64, keepalive_timeout=30),
-                json_serialize=lambda o: orjson.dumps(o).decode(),
-                headers=self._headers,
+            self._session = httpx.AsyncClient(
+                limits=_LIMITS, timeout=self.timeout_s, headers=self._headers, trust_env=False
             )
         try:
-            async with self._session.get(self.url + "/health", timeout=self.timeout) as r:
-                body = await r.json(loads=orjson.loads)
+            async with asyncio.timeout(self.timeout_s):
+                r = await self._session.get(self.url + "/health")
+            body = orjson.loads(r.content)
             self.block_size = int(body.get("block_size", self.block_size))
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             log.warning("kvstore %s not reachable at start: %s", self.url, exc)
 
     async def stop(self) -> None:
         if self._session is not None:
-            await self._session.close()
+            await self._session.aclose()
             self._session = None
 
     def _note(self, ok: bool, exc: BaseException | None = None) -> None:
@@ -68,18 +70,18 @@ class RemoteKVStore:
             log.warning("kvstore %s unreachable (%s); routing without cache info", self.url, exc)
         self.degraded = not ok
 
-    async def _post(self, path: str, body: dict[str, Any]) -> Any:
+    async def _post(self, path: str, body: dict[str, Any]) -> bytes:
         if self._session is None:
             await self.start()
         assert self._session is not None
-        async with self._session.post(
-            self.url + path,
-            data=orjson.dumps(body),
-            headers={"content-type": "application/json"},
-            timeout=self.timeout,
-        ) as r:
-            r.raise_for_status()
-            return await r.read()
+        async with asyncio.timeout(self.timeout_s):
+            r = await self._session.post(
+                self.url + path,
+                content=orjson.dumps(body),
+                headers={"content-type": "application/json"},
+            )
+        r.raise_for_status()
+        return r.content
 
     async def lookup(
         self,
@@ -104,7 +106,7 @@ class RemoteKVStore:
         }
         try:
             raw = await self._post("/v1/lookup", {k: v for k, v in body.items() if v is not None})
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (httpx.HTTPError, TimeoutError) as exc:
             self._note(False, exc)
             return LookupResult(self.block_size, 0, [], [], degraded=True)
         self._note(True)
@@ -133,7 +135,7 @@ class RemoteKVStore:
         try:
             await self._post("/v1/placements", body)
             self._note(True)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (httpx.HTTPError, TimeoutError) as exc:
             self._note(False, exc)
 
     async def clear_instance(self, instance: str, dp_rank: int | None = None) -> None:
@@ -142,14 +144,13 @@ class RemoteKVStore:
         assert self._session is not None
         params = {} if dp_rank is None else {"dp_rank": str(dp_rank)}
         try:
-            async with self._session.delete(
-                f"{self.url}/v1/instances/{quote(instance, safe='')}",
-                params=params,
-                timeout=self.timeout,
-            ) as r:
-                r.raise_for_status()
+            async with asyncio.timeout(self.timeout_s):
+                r = await self._session.delete(
+                    f"{self.url}/v1/instances/{quote(instance, safe='')}", params=params
+                )
+            r.raise_for_status()
             self._note(True)
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (httpx.HTTPError, TimeoutError) as exc:
             self._note(False, exc)
 
     def subscribe(

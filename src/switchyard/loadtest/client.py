@@ -4,19 +4,26 @@ A closed loop (N users waiting for answers) slows down with the system under tes
 hides overload; an open loop keeps offering the workload's rate, so queueing shows up
 in TTFT where it belongs. Each request streams (SSE) with ``include_usage`` so the
 engine's own prompt and cached token counts come back with the answer.
+
+Requests go through the router's own HTTP client (``switchyard.net.httpclient``): the
+load generator shares the machine with what it measures, so its cost per chunk is kept
+as low as the router's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
 import orjson
 
 from switchyard.loadtest.workload import Workload
+from switchyard.net.errors import TransportError
+from switchyard.net.httpclient import ConnectionPool, Response
+
+_HEADERS = {"content-type": "application/json"}
 
 
 @dataclass
@@ -44,48 +51,72 @@ class Result:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: bytes, res: Result) -> None:
+async def _lines(resp: Response) -> AsyncIterator[bytes]:
+    """The body's lines as they arrive (an SSE event is a line)."""
+    rest = b""
+    while chunk := await resp.readany():
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
+            yield line
+    if rest:
+        yield rest
+
+
+async def _one(pool: ConnectionPool, url: str, body: bytes, res: Result, timeout_s: float) -> None:
+    """Send one request and measure its answer into ``res``, all within ``timeout_s``."""
     start = time.perf_counter()
-    last: float | None = None
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-            res.status = r.status
-            if r.status != 200:
-                res.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                chunk = orjson.loads(data)
-                if "error" in chunk:
-                    res.error = str(chunk["error"])[:200]
+        async with asyncio.timeout(timeout_s):
+            r = await pool.post(url, body, _HEADERS)
+            try:
+                if not await _read(r, res, start):
                     return
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or ():
-                    delta = choice.get("delta") or {}
-                    if delta.get("content") or choice.get("text"):
-                        if last is None:
-                            res.ttft_s = now - start
-                        else:
-                            res.itl_s.append(now - last)
-                        last = now
-                usage = chunk.get("usage")
-                if usage:
-                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+            finally:
+                r.close()
         res.e2e_s = time.perf_counter() - start
         res.done_s = res.sent_s + res.e2e_s
         res.ok = res.ttft_s is not None
         if not res.ok:
             res.error = "stream ended without a token"
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+    except (TimeoutError, TransportError, ValueError) as exc:
         res.error = f"{type(exc).__name__}: {exc}"[:200]
+
+
+async def _read(r: Response, res: Result, start: float) -> bool:
+    """Read the answer's events into ``res`` as they arrive; False if it was an error."""
+    res.status = r.status
+    if r.status != 200:
+        text = (await r.read()).decode("utf-8", "replace")
+        res.error = f"HTTP {r.status}: {text[:200]}"
+        return False
+    last: float | None = None
+    async for raw in _lines(r):
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            res.error = str(chunk["error"])[:200]
+            return False
+        now = time.perf_counter()
+        for choice in chunk.get("choices") or ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or choice.get("text"):
+                if last is None:
+                    res.ttft_s = now - start
+                else:
+                    res.itl_s.append(now - last)
+                last = now
+        usage = chunk.get("usage")
+        if usage:
+            res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            res.output_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            res.cached_tokens = int(details.get("cached_tokens") or 0)
+    return True
 
 
 async def replay(
@@ -95,13 +126,13 @@ async def replay(
     timeout_s: float = 120.0,
     on_done: Callable[[Result], None] | None = None,
 ) -> list[Result]:
-    """Send every request of ``workload`` to ``base_url`` at its arrival time; all results."""
+    """Send every request of ``workload`` to ``base_url`` at its arrival time; all results.
+    Each request, connecting included, has ``timeout_s`` in all."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     bodies = [orjson.dumps(r.body(model)) for r in workload.requests]
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
     results: list[Result] = []
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    pool = ConnectionPool(connect_timeout_s=timeout_s)  # as many connections as in flight
+    try:
         t0 = time.perf_counter()
         tasks = []
         for req, body in zip(workload.requests, bodies, strict=True):
@@ -110,18 +141,21 @@ async def replay(
                 await asyncio.sleep(delay)
             res = Result(req.index, time.perf_counter() - t0)
             results.append(res)
-            tasks.append(asyncio.create_task(_run(session, url, body, res, on_done)))
+            tasks.append(asyncio.create_task(_run(pool, url, body, res, timeout_s, on_done)))
         await asyncio.gather(*tasks)
+    finally:
+        await pool.close()
     return results
 
 
 async def _run(
-    session: aiohttp.ClientSession,
+    pool: ConnectionPool,
     url: str,
     body: bytes,
     res: Result,
+    timeout_s: float,
     on_done: Callable[[Result], None] | None,
 ) -> None:
-    await _one(session, url, body, res)
+    await _one(pool, url, body, res, timeout_s)
     if on_done is not None:
         on_done(res)

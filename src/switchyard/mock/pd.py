@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 
 
 class PullError(Exception):
@@ -96,27 +96,28 @@ class KVPuller:
     """Decode side: the HTTP calls that stand in for the KV transfer."""
 
     def __init__(self) -> None:
-        self._session: aiohttp.ClientSession | None = None
+        self._session: httpx.AsyncClient | None = None
 
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    def _client(self) -> httpx.AsyncClient:
+        if self._session is None or self._session.is_closed:
+            # Unbounded, as many pulls in flight as decodes; each call brings its timeout.
+            limits = httpx.Limits(
+                max_connections=None, max_keepalive_connections=None, keepalive_expiry=15.0
             )
+            self._session = httpx.AsyncClient(limits=limits, timeout=None, trust_env=False)
         return self._session
 
     async def _post(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         try:
-            async with self._client().post(
-                url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as resp:
-                data = await resp.json(content_type=None)
-                if resp.status != 200:
-                    message = data.get("error", {}).get("message", "") if data else ""
-                    raise PullError(resp.status, f"KV pull from {url} failed: {message}")
-                return data
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._client().post(url, json=body)
+        except (httpx.HTTPError, TimeoutError) as exc:
             raise PullError(502, f"KV pull from {url} failed: {exc!r}") from exc
+        data: Any = resp.json() if resp.content else None
+        if resp.status_code != 200:
+            message = data.get("error", {}).get("message", "") if data else ""
+            raise PullError(resp.status_code, f"KV pull from {url} failed: {message}")
+        return data
 
     async def pull_vllm(self, params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         host, port = params.get("remote_host"), params.get("remote_port")
@@ -137,4 +138,4 @@ class KVPuller:
 
     async def close(self) -> None:
         if self._session is not None:
-            await self._session.close()
+            await self._session.aclose()

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 import orjson
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -155,7 +155,7 @@ class ParityChecker:
         self.events_wait_s = events_wait_s
         self.canary_blocks = canary_blocks
 
-    async def check(self, session: aiohttp.ClientSession, worker: str, model: str) -> ParityResult:
+    async def check(self, client: httpx.AsyncClient, worker: str, model: str) -> ParityResult:
         tok = self.store.tokenizer_for(model)
         if not tok.exact:
             return ParityResult(worker, None, "no tokenizer: the router's tokens are estimates")
@@ -174,8 +174,8 @@ class ParityChecker:
         marks = {id(f): f.ingestor.stored_serial for f in self.store.feeds_of(worker)}
         result = ParityResult(worker, None, "", router_tokens=len(tokens))
         try:
-            first = await self._chat(session, worker, model, messages)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            first = await self._chat(client, worker, model, messages)
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             result.reason = f"canary request failed: {type(exc).__name__}: {exc}"
             return result
         result.engine_prompt_tokens = first[0]
@@ -195,8 +195,8 @@ class ParityChecker:
         else:
             result.predicted_cached_tokens = full
         try:
-            repeat = await self._chat(session, worker, model, messages)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            repeat = await self._chat(client, worker, model, messages)
+        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
             result.reason = f"repeat request failed: {type(exc).__name__}: {exc}"
             return result
         result.engine_cached_tokens = repeat[1]
@@ -253,22 +253,24 @@ class ParityChecker:
 
     async def _chat(
         self,
-        session: aiohttp.ClientSession,
+        client: httpx.AsyncClient,
         worker: str,
         model: str,
         messages: list[dict[str, str]],
     ) -> tuple[int, int | None]:
-        """(prompt_tokens, cached_tokens or None) of a one-token chat completion."""
+        """(prompt_tokens, cached_tokens or None) of a one-token chat completion, all of it
+        within ``request_timeout_s``."""
         body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0.0}
-        async with session.post(
-            worker.rstrip("/") + "/v1/chat/completions",
-            json=body,
-            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s),
-        ) as resp:
-            data = await resp.json(content_type=None)
-            if resp.status != 200:
-                message = data.get("error", {}).get("message") if isinstance(data, dict) else data
-                raise ValueError(f"HTTP {resp.status}: {message}")
+        async with asyncio.timeout(self.request_timeout_s):
+            resp = await client.post(
+                worker.rstrip("/") + "/v1/chat/completions",
+                json=body,
+                timeout=self.request_timeout_s,
+            )
+        data = resp.json()
+        if resp.status_code != 200:
+            message = data.get("error", {}).get("message") if isinstance(data, dict) else data
+            raise ValueError(f"HTTP {resp.status_code}: {message}")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
@@ -355,13 +357,13 @@ class ParityMonitor:
             self._lock.release()  # for a sibling
 
     async def _run(self) -> None:
-        async with aiohttp.ClientSession() as session:
+        async with httpx.AsyncClient(trust_env=False) as client:
             while True:
                 now = time.monotonic()
                 if self._checks_here():
                     for worker in list(self.fleet.workers()):
                         if self._due(worker, now):
-                            result = await self.check(session, worker)
+                            result = await self.check(client, worker)
                             if self.siblings is not None:
                                 payload = orjson.dumps(result.as_dict())
                                 self.siblings.publish(PARITY, payload, lazy=True)
@@ -396,10 +398,10 @@ class ParityMonitor:
             and not self.store.catching_up(worker.id)
         )
 
-    async def check(self, session: aiohttp.ClientSession, worker: Any) -> ParityResult:
+    async def check(self, client: httpx.AsyncClient, worker: Any) -> ParityResult:
         model = sorted(worker.models)[0]
         try:
-            result = await self.checker.check(session, worker.id, model)
+            result = await self.checker.check(client, worker.id, model)
         except Exception as exc:  # a check must never take the router down
             log.exception("%s: parity check failed", worker.id)
             result = ParityResult(worker.id, None, f"check failed: {type(exc).__name__}")
