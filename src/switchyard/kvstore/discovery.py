@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
+import httpx
 
 from switchyard.kvstore.settings import worker_url as worker_url
 
@@ -96,19 +96,18 @@ def parse_sources(instance: str, body: Any) -> list[EventSource]:
 
 
 async def fetch_sources(
-    session: aiohttp.ClientSession, url: str, timeout_s: float = 2.0
+    client: httpx.AsyncClient, url: str, timeout_s: float = 2.0
 ) -> list[EventSource] | None:
     """The worker's sources; ``[]`` when it has none, ``None`` when it did not answer."""
     try:
-        async with session.get(
-            url.rstrip("/") + SOURCES_PATH, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as r:
-            if r.status in (404, 405):
-                return []
-            if r.status != 200:
-                return None
-            body = await r.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        async with asyncio.timeout(timeout_s):
+            r = await client.get(url.rstrip("/") + SOURCES_PATH)
+        if r.status_code in (404, 405):
+            return []
+        if r.status_code != 200:
+            return None
+        body = r.json()
+    except (httpx.HTTPError, TimeoutError, ValueError):
         return None
     try:
         return parse_sources(url.rstrip("/"), body)
@@ -133,7 +132,7 @@ class SourceDiscovery:
         self.retry_max_s = retry_max_s
         self.sources: dict[str, list[EventSource]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._client: httpx.AsyncClient | None = None
 
     def watch(self, url: str, rank_urls: list[str] | None = None) -> None:
         """Discover ``url`` (and the per-rank API servers of an external-DP worker)."""
@@ -152,9 +151,9 @@ class SourceDiscovery:
     async def _discover(self, url: str, rank_urls: list[str]) -> None:
         delay = self.retry_s
         while True:
-            if self._session is None:
-                self._session = aiohttp.ClientSession()
-            answers = [await fetch_sources(self._session, u) for u in [url, *rank_urls]]
+            if self._client is None:
+                self._client = httpx.AsyncClient(trust_env=False)
+            answers = [await fetch_sources(self._client, u) for u in [url, *rank_urls]]
             if all(a is not None for a in answers):
                 # Sources of a worker are named by the worker, whichever server answered.
                 found = {
@@ -183,6 +182,6 @@ class SourceDiscovery:
         for task in self._tasks.values():
             task.cancel()
         self._tasks.clear()
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None

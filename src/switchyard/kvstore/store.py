@@ -193,7 +193,7 @@ class KVStore:
             self._ctx.destroy(linger=0)
             self._ctx = None
         for tok in (self.tokenizer, *self.model_tokenizers.values()):
-            tok.close()  # its thread pool; a second close is a no-op
+            await tok.aclose()  # its thread pool and engine client; a second is a no-op
         self._started = False
 
     # -- lookups ---------------------------------------------------------------------------

@@ -58,6 +58,8 @@ CHARS_PER_TOKEN = 4
 MIN_PIECE_CHARS = 256
 # Text with more uncached characters than this is tokenized in the worker thread.
 OFFLOAD_CHARS = 4096
+# Each call to an engine's /tokenize, phase by phase.
+_ENGINE_TIMEOUT_S = 5.0
 # What one cached token costs in memory (a list slot and an int object), and one entry.
 _TOKEN_BYTES = 36
 # What a message's role and delimiters add to its content, about (in characters).
@@ -306,6 +308,11 @@ class RoutingTokenizer:
         self._keys_chars = 0  # of the contents those entries keep alive
         self._executor: ThreadPoolExecutor | None = None
         self._queued = 0
+        # Kept connections to the engine's /tokenize (``from_engine``), made on first use; the
+        # async one belongs to the loop it was made on.
+        self._client: httpx.Client | None = None
+        self._aclient: httpx.AsyncClient | None = None
+        self._aclient_loop: asyncio.AbstractEventLoop | None = None
         self._fast: Encoder | None = None  # tiktoken, where it gives the tokenizer's ids
         # Told of each chat message tokenized here for the first time (its cache key and
         # ids), so that the router's other processes need not tokenize it again (``learn``).
@@ -826,7 +833,9 @@ class RoutingTokenizer:
         key = self._engine_key(body)
         ids = self._cache.get(key, "engine")
         if ids is None:
-            r = httpx.post(f"{self._engine_url}/tokenize", json=body, timeout=5.0)
+            if self._client is None:
+                self._client = httpx.Client(timeout=_ENGINE_TIMEOUT_S, trust_env=False)
+            r = self._client.post(f"{self._engine_url}/tokenize", json=body)
             r.raise_for_status()
             ids = list(r.json()["tokens"])
             self._cache.put(key, ids)
@@ -836,8 +845,11 @@ class RoutingTokenizer:
         key = self._engine_key(body)
         ids = self._cache.get(key, "engine")
         if ids is None:
-            async with httpx.AsyncClient(timeout=5.0) as client:
-                r = await client.post(f"{self._engine_url}/tokenize", json=body)
+            loop = asyncio.get_running_loop()
+            if self._aclient is None or self._aclient_loop is not loop:
+                self._aclient = httpx.AsyncClient(timeout=_ENGINE_TIMEOUT_S, trust_env=False)
+                self._aclient_loop = loop
+            r = await self._aclient.post(f"{self._engine_url}/tokenize", json=body)
             r.raise_for_status()
             ids = list(r.json()["tokens"])
             self._cache.put(key, ids)
@@ -866,10 +878,21 @@ class RoutingTokenizer:
         return await self._run(self._chat_plan(messages, add_generation_prompt))
 
     def close(self) -> None:
-        """Stop the worker thread (a new one starts if tokenization is asked again)."""
+        """Stop the worker thread and the kept engine connections (new ones start if
+        tokenization is asked again)."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        """``close``, and the async client's connections too (closed on their loop)."""
+        self.close()
+        client, self._aclient, self._aclient_loop = self._aclient, None, None
+        if client is not None:
+            await client.aclose()
 
 
 def _joined(parts: list[list[int] | _Piece]) -> list[int]:
