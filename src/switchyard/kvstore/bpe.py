@@ -4,7 +4,7 @@ The router tokenizes every new message and prompt piece it routes, with HF ``tok
 a large share of its CPU under ``bench.kv_throughput`` and on the Mooncake replay.
 tiktoken runs the same byte-level BPE (a regex pre-split, then merges by rank) several
 times faster, with the same ids on every text checked
-(``docs/decisions/0006-tokenizer-fast-path.md``).
+(``docs/decisions/0006-bpe-fast-path.md``).
 
 It applies when ``tokenizer.json`` is a plain byte-level BPE: no normalizer, a GPT-2
 ``ByteLevel`` pre-tokenizer with its regex, or one regex ``Split`` then ``ByteLevel``

@@ -68,7 +68,7 @@ _ENTRY_BYTES = 240
 # A newline between two non-spaces; a space after a non-space and before a letter. Each
 # pattern starts with its literal so ``re`` scans for it at memchr speed; led by the
 # lookbehind it would try every position, an order of magnitude slower on a long message
-# (see docs/benchmarks.md, router_cpu).
+# (docs/decisions/0006-bpe-fast-path.md).
 _NEWLINE_CUT = re.compile(r"\n(?<=\S\n)(?=\S)")
 _SPACE_CUT = re.compile(r" (?<=\S )(?=[^\W\d_])")
 _PROBES = (
@@ -666,7 +666,7 @@ class RoutingTokenizer:
         it releases the GIL too). Else HF's ``encode_batch_fast``, which releases the GIL
         (``encode`` does not) and skips the offsets. One text a call: a batch of several
         spreads them over rayon's threads, which cost more than they gave on the
-        multi-turn bench's new messages (``docs/decisions/0006-tokenizer-fast-path.md``)."""
+        multi-turn bench's new messages."""
         if self._fast is not None:
             return [self._fast(t) for t in texts]
         assert self._tok is not None
