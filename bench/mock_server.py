@@ -8,10 +8,10 @@
    ``switchyard.mock.engine.virtual.VirtualFleet`` (16 engines, Poisson arrivals).
 
 The load generator runs in another process: ``wrk`` when installed (it costs far less
-CPU than the server), else an aiohttp client. The mock runs with ``--speed 1000`` so
-the modelled GPU time is negligible and the figure is the HTTP front's own cost. Where
-the generator and the server share cores they compete for CPU: the numbers are a
-floor. Prints one JSON object per measurement.
+CPU than the server), else the router's own HTTP client in Python. The mock runs with
+``--speed 1000`` so the modelled GPU time is negligible and the figure is the HTTP
+front's own cost. Where the generator and the server share cores they compete for CPU:
+the numbers are a floor. Prints one JSON object per measurement.
 """
 
 from __future__ import annotations
@@ -60,21 +60,27 @@ def wrk(url: str, body: dict, duration: float, connections: int) -> float:
     return float(match.group(1))
 
 
-def aiohttp_load(url: str, body: dict, duration: float, connections: int) -> float:
-    """The same measurement with a Python client, run in a child process."""
+def python_load(url: str, body: dict, duration: float, connections: int) -> float:
+    """The same measurement with the router's own client (``switchyard.net.httpclient``),
+    run in a child process."""
     code = f"""
-import asyncio, json, time, aiohttp
+import asyncio, json, time
+from switchyard.net.httpclient import ConnectionPool
 async def main():
     done = 0
     stop = time.monotonic() + {duration}
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def worker():
-            nonlocal done
-            while time.monotonic() < stop:
-                async with s.post({url!r}, json={body!r}) as r:
-                    await r.read()
-                done += 1
-        await asyncio.gather(*[worker() for _ in range({connections})])
+    pool = ConnectionPool(connect_timeout_s=10.0)
+    body = json.dumps({body!r}).encode()
+    headers = {{"content-type": "application/json"}}
+    async def worker():
+        nonlocal done
+        while time.monotonic() < stop:
+            r = await pool.post({url!r}, body, headers)
+            await r.read()
+            r.close()
+            done += 1
+    await asyncio.gather(*[worker() for _ in range({connections})])
+    await pool.close()
     print(done / {duration})
 asyncio.run(main())
 """
@@ -84,7 +90,7 @@ asyncio.run(main())
 
 def http_figures(duration: float, connections: int) -> None:
     """Wall rate, and the rate per CPU-second of the server (its cost, free of contention)."""
-    load = wrk if shutil.which("wrk") else aiohttp_load
+    load = wrk if shutil.which("wrk") else python_load
     port = free_port()
     args = ["mock", "--port", str(port), "--speed", "1000", "--max-num-seqs", "1024"]
     with Server(args, port) as srv:

@@ -26,10 +26,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
 import httpx
 
 from switchyard.loadtest.procs import Server, free_port, python_from
+from switchyard.net.httpclient import ConnectionPool
 from tools.worktree import worktree
 
 ANSWER = (
@@ -165,23 +165,29 @@ async def sse_rate(url: str, streams: int, duration: float) -> float:
     """SSE events per second received over ``streams`` concurrent streaming requests."""
     count = 0
     deadline = time.monotonic() + duration
-    body = '{"model":"bench","prompt":"Say hello","stream":true}'
+    body = b'{"model":"bench","prompt":"Say hello","stream":true}'
+    headers = {"content-type": "application/json"}
 
-    async def one(session: aiohttp.ClientSession) -> None:
+    async def one(pool: ConnectionPool) -> None:
         nonlocal count
         while time.monotonic() < deadline:
-            async with session.post(
-                url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            ) as resp:
-                async for chunk in resp.content.iter_any():
+            resp = await pool.post(url + "/v1/completions", body, headers)
+            try:
+                while chunk := await resp.readany():
                     count += chunk.count(b"data:")
                     if time.monotonic() >= deadline:
                         return
+            finally:
+                resp.close()
 
-    async with aiohttp.ClientSession() as session:
+    # The router's own client: the receiving end must not be what limits the rate.
+    pool = ConnectionPool(connect_timeout_s=10.0)
+    try:
         start = time.monotonic()
-        await asyncio.gather(*(one(session) for _ in range(streams)))
+        await asyncio.gather(*(one(pool) for _ in range(streams)))
         return count / (time.monotonic() - start)
+    finally:
+        await pool.close()
 
 
 def router_argv(worker: str, port: int, *extra: str, python: list[str] | None = None) -> list[str]:

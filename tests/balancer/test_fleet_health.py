@@ -6,12 +6,13 @@ import asyncio
 import socket
 import time
 
-import aiohttp
 import pytest
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import Outcome, WorkerSpec
+from switchyard.net.errors import ConnectError
+from switchyard.net.httpclient import ConnectionPool
 from tests.balancer.fleet_stubs import StubFactory, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -103,39 +104,43 @@ async def test_retrying_client_sees_no_errors_when_a_worker_dies(
     fleet = await started_fleet(fast(cb_failure_threshold=2), victim.url, survivor.url)
     errors = 0
     sent_to_victim_late = 0
+    pool = ConnectionPool(connect_timeout_s=1.0)
     try:
-        async with aiohttp.ClientSession() as session:
 
-            async def one(i: int) -> None:
-                nonlocal errors, sent_to_victim_late
-                for _attempt in range(3):
-                    candidates = fleet.candidates("m")
-                    worker = candidates[i % len(candidates)]
-                    if worker.url == victim.url and stop_at is not None:
-                        if loop.time() - stop_at > PROBE:
-                            sent_to_victim_late += 1
-                    ticket = fleet.begin(worker)
+        async def one(i: int) -> None:
+            nonlocal errors, sent_to_victim_late
+            for _attempt in range(3):
+                candidates = fleet.candidates("m")
+                worker = candidates[i % len(candidates)]
+                if worker.url == victim.url and stop_at is not None:
+                    if loop.time() - stop_at > PROBE:
+                        sent_to_victim_late += 1
+                ticket = fleet.begin(worker)
+                try:
+                    resp = await pool.get(worker.url + "/work")
                     try:
-                        async with session.get(worker.url + "/work") as resp:
-                            await resp.read()
-                        fleet.end(ticket, Outcome.SUCCESS)
-                        return
-                    except aiohttp.ClientConnectionError:
-                        fleet.end(ticket, Outcome.CONNECT_ERROR)
-                errors += 1
+                        await resp.read()
+                    finally:
+                        resp.close()
+                    fleet.end(ticket, Outcome.SUCCESS)
+                    return
+                except ConnectError:
+                    fleet.end(ticket, Outcome.CONNECT_ERROR)
+            errors += 1
 
-            loop = asyncio.get_running_loop()
-            stop_at: float | None = None
-            for i in range(120):
-                if i == 30:
-                    await victim.stop()
-                    stop_at = loop.time()
-                await one(i)
-                await asyncio.sleep(0.005)
+        loop = asyncio.get_running_loop()
+        stop_at: float | None = None
+        for i in range(120):
+            if i == 30:
+                await victim.stop()
+                stop_at = loop.time()
+            await one(i)
+            await asyncio.sleep(0.005)
         assert errors == 0
         assert sent_to_victim_late == 0
         assert survivor.hits > 90
     finally:
+        await pool.close()
         await fleet.stop()
 
 
@@ -224,14 +229,15 @@ async def test_drain_lets_inflight_finish_while_no_new_requests_arrive(
     try:
         worker = fleet.get(slow.url)
         ticket = fleet.begin(worker)
-        async with aiohttp.ClientSession() as session:
-            pending = asyncio.create_task(session.get(slow.url + "/work"))
-            await asyncio.sleep(0.05)
-            assert fleet.drain(slow.url)
-            assert worker.draining
-            assert [w.url for w in fleet.candidates("m")] == [other.url]
-            resp = await pending
-            assert resp.status == 200 and await resp.text() == "done"
+        pool = ConnectionPool(connect_timeout_s=1.0)
+        pending = asyncio.create_task(pool.get(slow.url + "/work"))
+        await asyncio.sleep(0.05)
+        assert fleet.drain(slow.url)
+        assert worker.draining
+        assert [w.url for w in fleet.candidates("m")] == [other.url]
+        resp = await pending
+        assert resp.status == 200 and await resp.read() == b"done"
+        await pool.close()
         fleet.end(ticket, Outcome.SUCCESS)
         assert worker.inflight == 0
         assert fleet.get(slow.url) is worker, "a plain drain keeps the worker listed"

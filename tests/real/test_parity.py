@@ -9,7 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
-import aiohttp
+import httpx
 import pytest
 
 from switchyard.cli.main import run
@@ -31,8 +31,8 @@ def check(url: str) -> ParityResult:
         try:
             await follower.wait()
             await asyncio.sleep(0.5)
-            async with aiohttp.ClientSession() as session:
-                return await ParityChecker(store).check(session, url, MODEL)
+            async with httpx.AsyncClient() as client:
+                return await ParityChecker(store).check(client, url, MODEL)
         finally:
             await store.stop()
 

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
+import httpx
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
@@ -73,8 +73,8 @@ def check(url: str, tokenizer_dir: Path) -> tuple[ParityResult, dict[str, int]]:
         try:
             await follower.wait()
             await asyncio.sleep(0.3)
-            async with aiohttp.ClientSession() as session:
-                result = await ParityChecker(store).check(session, url, "m")
+            async with httpx.AsyncClient() as client:
+                result = await ParityChecker(store).check(client, url, "m")
             return result, dict(store.instance_block_sizes)
         finally:
             await store.stop()
