@@ -177,7 +177,7 @@ def fleet(
     with ExitStack() as stack:
         engines: list[Server] = []
         roles = ("prefill", "decode") if pd else ("unified", "unified")
-        args: list[str] = ["--shutdown-timeout-s", "5", "--first-byte-timeout-s", "15"]
+        args: list[str] = ["--timeouts-shutdown-s", "5", "--timeouts-first-byte-s", "15"]
         for role in roles:
             events = ["--kv-events-port", str(free_port())] if kv_events else []
             engine = mock("--role", role, *events, *engine_args)
@@ -324,7 +324,7 @@ def real_fleet(opts: argparse.Namespace) -> Iterator[tuple[Server, list[VllmEngi
         engine_opts = EngineOptions(max_model_len=2048, served_model_name=REAL_MODEL)
         engines = start_engines(model, 2, engine_opts, Path(tmp))
         try:
-            args = ["--shutdown-timeout-s", "5", "--first-byte-timeout-s", "15"]
+            args = ["--timeouts-shutdown-s", "5", "--timeouts-first-byte-s", "15"]
             args += ["--policy", "round_robin"]
             for engine in engines:
                 args += ["--worker", f"{engine.url};models={REAL_MODEL}"]

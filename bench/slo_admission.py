@@ -2,7 +2,7 @@
 
 A slowed mock fleet (``switchyard mock --speed``) gets an open-loop flood (Poisson
 arrivals above its capacity) of completions, non-streamed and then streamed, through a
-fresh router per case, with and without ``--slo-ttft-ms``. For a non-streamed answer the
+fresh router per case, with and without ``--admission-slo-ttft-ms``. For a non-streamed answer the
 client's first byte is the whole answer, so its objective is set accordingly
 (``--whole-slo-ms``); a stream's is the time to its first chunk (``--stream-slo-ms``).
 
@@ -121,7 +121,7 @@ def run_case(engines: list[str], case: Case, args: argparse.Namespace, seed: int
     argv = ["router", "--port", str(port), "--policy", "least_load"]
     argv += [f"--worker={url}" for url in engines]
     if case.slo_ms is not None:
-        argv += ["--slo-ttft-ms", str(case.slo_ms)]
+        argv += ["--admission-slo-ttft-ms", str(case.slo_ms)]
     router = Server(argv, port, start_timeout_s=90).start()
     try:
         time.sleep(1.0)  # the first probe and scrape

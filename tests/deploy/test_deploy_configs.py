@@ -21,14 +21,14 @@ import yaml
 from kubernetes import client as k8s
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
 
 from switchyard.balancer.k8s import pod_ready, pod_spec
 from switchyard.balancer.settings import BalancerSettings
-from switchyard.core.settings import ServiceSettings
+from switchyard.core.settings import ServiceSettings, group_of
 from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.mock.fleet import plan_fleet
 from switchyard.mock.settings import MockSettings
-from switchyard.router.pd.settings import PDSettings
 from switchyard.router.scheduler.policies import build_scheduler
 from switchyard.router.server import build_app, worker_specs
 from switchyard.router.settings import RouterSettings
@@ -125,23 +125,41 @@ def test_dashboard_is_valid_json_with_unique_panel_ids() -> None:
 # -- example configs load through the settings models ----------------------------------------
 
 
+def unknown_keys(model: type[BaseModel], values: dict[str, Any], where: str = "") -> set[str]:
+    """Keys that name no field, at any depth of the groups (``router.timeouts.connect_s``)."""
+    unknown = set()
+    for key, value in values.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            unknown.add(where + key)
+            continue
+        group = group_of(field.annotation)
+        if group is not None and isinstance(value, dict):
+            unknown |= unknown_keys(group, value, f"{where}{key}.")
+    return unknown
+
+
 @pytest.mark.parametrize("path", [EXAMPLE, LOCAL], ids=["switchyard", "local-stack"])
 def test_config_keys_are_all_settings_fields(path: Path) -> None:
     """The models ignore unknown keys, so a misspelt key would silently do nothing."""
     raw = yaml.safe_load(path.read_text())
     for section, values in raw.items():
-        fields = MODELS[section].model_fields
-        unknown = set(values) - set(fields)
+        unknown = unknown_keys(MODELS[section], values)
         assert not unknown, f"{path.name} {section}: unknown keys {unknown}"
-    pd = raw["router"].get("pd") or {}
-    assert not set(pd) - set(PDSettings.model_fields)
 
 
 def test_configmap_keys_are_all_settings_fields(tmp_path: Path) -> None:
     raw = yaml.safe_load(configmap_file(tmp_path).read_text())
     assert set(raw) == {"router", "balancer", "kvstore"}
     for section, values in raw.items():
-        assert not set(values) - set(MODELS[section].model_fields), section
+        assert not unknown_keys(MODELS[section], values), section
+
+
+def test_an_old_flat_key_is_caught_as_unknown() -> None:
+    assert unknown_keys(RouterSettings, {"connect_timeout_s": 3, "timeouts": {"idle": 1}}) == {
+        "connect_timeout_s",
+        "timeouts.idle",
+    }
 
 
 def test_example_config_routes_kv_aware_with_events_per_worker() -> None:
@@ -149,7 +167,7 @@ def test_example_config_routes_kv_aware_with_events_per_worker() -> None:
     assert s.policy == "kv_aware"
     assert s.tokenizer == "/models/Llama-3.1-8B-Instruct"
     assert s.redis_url == "redis://10.0.0.5:6379/0"
-    assert s.slo_ttft_ms == 2000
+    assert s.admission.slo_ttft_ms == 2000
     specs = worker_specs(s)
     assert len(specs) == 3
     assert all(spec.kv_events and spec.kv_events.startswith("tcp://") for spec in specs)
@@ -204,7 +222,7 @@ def test_local_stack_router_lists_exactly_the_mock_fleet_ports() -> None:
     expected = {f"http://127.0.0.1:{m.port}": f"tcp://127.0.0.1:{m.kv_events_port}" for m in fleet}
     assert {spec.url: spec.kv_events for spec in worker_specs(router)} == expected
     assert router.policy == "kv_aware"
-    assert all(m.block_size == router.block_size for m in fleet)
+    assert all(m.block_size == router.kv.block_size for m in fleet)
 
 
 def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_path: Path) -> None:
@@ -214,7 +232,7 @@ def test_local_stack_routes_a_shared_prefix_to_the_engine_that_caches_it(tmp_pat
     fleet = plan_fleet(LOCAL, {}, 4, base, 0, 0, kv_base)
     raw["router"]["port"] = port
     raw["router"]["workers"] = [f"http://127.0.0.1:{m.port}" for m in fleet]
-    raw["router"]["kv_events"] = [
+    raw["router"]["kv"]["events"] = [
         f"http://127.0.0.1:{m.port}=tcp://127.0.0.1:{m.kv_events_port}" for m in fleet
     ]
     config = tmp_path / "local-stack.yaml"
@@ -665,7 +683,7 @@ def test_compose_router_command_loads_and_names_each_mock_with_its_kv_events() -
     settings = RouterSettings.load(
         None,
         workers=_option(command, "--worker"),
-        kv_events=_option(command, "--kv-events"),
+        kv={"events": _option(command, "--kv-events")},
         policy=_option(command, "--policy")[0],
     )
     specs = worker_specs(settings)

@@ -52,7 +52,7 @@ def health_request() -> bytes:
 def test_a_connection_that_sends_nothing_gets_408_after_the_header_timeout(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, args=("--header-timeout-s", "0.5"))
+    router = start_router(stub.url, args=("--timeouts-header-s", "0.5"))
     sock = connect(router.port)
     opened = time.monotonic()
     data, closed = read_until_closed(sock)
@@ -65,7 +65,7 @@ def test_a_connection_that_sends_nothing_gets_408_after_the_header_timeout(
 def test_a_trickled_request_head_is_cut_at_the_header_timeout(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, args=("--header-timeout-s", "0.5"))
+    router = start_router(stub.url, args=("--timeouts-header-s", "0.5"))
     sock = connect(router.port)
     opened = time.monotonic()
     sock.sendall(b"GET /health HTTP/1.1\r\nx-slow: ")
@@ -76,7 +76,7 @@ def test_a_trickled_request_head_is_cut_at_the_header_timeout(
 def test_a_body_that_stops_arriving_is_cut_at_the_body_timeout(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, args=("--body-timeout-s", "0.5"))
+    router = start_router(stub.url, args=("--timeouts-body-s", "0.5"))
     sock = connect(router.port)
     sock.sendall(
         b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
@@ -91,7 +91,7 @@ def test_a_body_that_stops_arriving_is_cut_at_the_body_timeout(
 def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, args=("--keep-alive-timeout-s", "0.5"))
+    router = start_router(stub.url, args=("--timeouts-keep-alive-s", "0.5"))
     sock = connect(router.port)
     sock.sendall(health_request())
     first = b""
@@ -106,7 +106,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
 def test_over_the_connection_cap_requests_get_503_too_many_connections(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, args=("--max-client-connections", "2"))
+    router = start_router(stub.url, args=("--limits-max-client-connections", "2"))
     held = [connect(router.port), connect(router.port)]
     for sock in held:
         sock.sendall(health_request())
@@ -130,7 +130,7 @@ def test_a_head_growing_past_the_header_cap_is_refused_431_before_it_ends(
 ) -> None:
     """The head never ends: the router answers 431 as the bytes pass its cap instead of
     buffering them until the header timeout."""
-    router = start_router(stub.url, args=("--header-timeout-s", "30"))
+    router = start_router(stub.url, args=("--timeouts-header-s", "30"))
     sock = connect(router.port)
     sock.sendall(b"GET /health HTTP/1.1\r\nhost: router\r\nx-filler: ")
     sent = time.monotonic()

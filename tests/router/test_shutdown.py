@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from switchyard.router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
-from switchyard.router.settings import RouterSettings
+from switchyard.router.settings import RouterSettings, Timeouts
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port, one_process
 
@@ -98,7 +98,7 @@ def test_a_held_request_ends_in_503_shutting_down_and_the_router_exits_in_time(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
     stub.state.hang = True
-    router = start_router(stub.url, "--shutdown-timeout-s", "1")
+    router = start_router(stub.url, "--timeouts-shutdown-s", "1")
     held = InFlight(router.url)
     wait_for(lambda: stub.state.requests == 1)
     sent = terminate(router)
@@ -117,7 +117,7 @@ def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
     port = free_port()
     router = Server(
         ["router", "--port", str(port), "--worker", backend.url, *one_process()]
-        + ["--shutdown-timeout-s", "20"],
+        + ["--timeouts-shutdown-s", "20"],
         port,
         start_timeout_s=90,
     ).start()
@@ -137,7 +137,7 @@ def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
 def test_ready_goes_false_while_the_router_drains(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
-    router = start_router(stub.url, "--shutdown-drain-s", "6")
+    router = start_router(stub.url, "--timeouts-drain-s", "6")
     wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
     terminate(router)
     ready = httpx.get(router.url + "/ready", timeout=5)
@@ -154,7 +154,9 @@ def test_several_processes_exit_within_the_shutdown_timeout_answering_503(
     """The whole group signalled (each process gets SIGTERM twice: directly and from the
     parent): the held request still ends in a clean 503, within the timeout."""
     stub.state.hang = True
-    router = start_router(stub.url, "--processes", "2", "--shutdown-timeout-s", "1", own_group=True)
+    router = start_router(
+        stub.url, "--processes", "2", "--timeouts-shutdown-s", "1", own_group=True
+    )
     held = InFlight(router.url)
     wait_for(lambda: stub.state.requests == 1)
     sent = terminate(router, group=True)
@@ -177,7 +179,7 @@ def test_several_processes_answer_ready_503_while_they_drain(
 ) -> None:
     """SIGTERM to the parent only (as Kubernetes sends it): it passes the signal on, and
     every process answers /ready 503 through the drain while still serving requests."""
-    router = start_router(stub.url, "--processes", "2", "--shutdown-drain-s", "10", own_group=True)
+    router = start_router(stub.url, "--processes", "2", "--timeouts-drain-s", "10", own_group=True)
     wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
     terminate(router)
     time.sleep(1.0)  # the parent passes signals on every 0.5 s
@@ -190,15 +192,15 @@ def test_several_processes_answer_ready_503_while_they_drain(
 
 
 def test_the_graceful_window_ends_a_second_before_the_timeout_counted_from_the_signal() -> None:
-    settings = RouterSettings(shutdown_timeout_s=30, shutdown_drain_s=4, processes=1)
+    settings = RouterSettings(timeouts=Timeouts(shutdown_s=30, drain_s=4), processes=1)
     assert graceful_window_s(settings) == 30 - 4 - EXIT_RESERVE_S
 
 
 def test_several_processes_reserve_time_for_the_supervisor_as_well() -> None:
-    settings = RouterSettings(shutdown_timeout_s=30, processes=2)
+    settings = RouterSettings(timeouts=Timeouts(shutdown_s=30), processes=2)
     assert graceful_window_s(settings) == 30 - EXIT_RESERVE_S - SUPERVISOR_RESERVE_S
 
 
 def test_a_timeout_shorter_than_the_reserve_cancels_at_once_rather_than_never() -> None:
     """uvicorn reads a window of 0 as no limit at all."""
-    assert 0 < graceful_window_s(RouterSettings(shutdown_timeout_s=0.5)) < 0.1
+    assert 0 < graceful_window_s(RouterSettings(timeouts=Timeouts(shutdown_s=0.5))) < 0.1

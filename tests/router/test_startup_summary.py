@@ -26,8 +26,7 @@ def test_counts_workers_by_flavour_and_role() -> None:
 def test_kv_mode_is_events_when_workers_publish_them() -> None:
     text = summary(
         workers=["http://127.0.0.1:1", "http://127.0.0.1:2"],
-        kv_events=["http://127.0.0.1:1=tcp://127.0.0.1:5557"],
-        block_size=32,
+        kv={"events": ["http://127.0.0.1:1=tcp://127.0.0.1:5557"], "block_size": 32},
     )
     assert "kv: events from 1 of 2 workers" in text and "block size 32" in text
 

@@ -176,7 +176,7 @@ def test_the_router_refuses_a_tenant_over_its_limit_while_serving_the_other() ->
     engine = StubBackend().start()
     engine.state.hang = True
     port = free_port()
-    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--tenant-max-in-flight", "1"]
+    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--limits-max-in-flight-per-tenant", "1"]
     argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(), *keys]
     server = Server(argv, port, "/ready")
     url = server.start().url + "/v1/completions"

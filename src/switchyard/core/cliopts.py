@@ -2,8 +2,11 @@
 
 Every field becomes ``--kebab-name`` with its type, its ``description`` as help and the
 model's default shown; list fields repeat, ``dict`` fields take JSON, booleans get a
-``--no-`` form, and a nested model (the router's ``pd``) is flattened as ``--pd-protocol``.
-A field renamed through ``AliasChoices(new, old)`` keeps a hidden ``--old-name`` flag.
+``--no-`` form, and a group (the router's ``timeouts``) is flattened as
+``--timeouts-connect-s``. ``--help`` lists the options under their group's heading.
+Fields marked ``NO_FLAG`` get no flag: they are set through YAML and the environment.
+A renamed or moved setting keeps its old flag for one release, hidden from ``--help``,
+with a one-line warning naming the new spelling.
 Unset flags stay ``None``, so the environment and the YAML file still apply beneath them.
 
 Every mistake on the command line, in the environment or the YAML file ends as
@@ -21,12 +24,19 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import click
 import yaml
-from pydantic import AliasChoices, BaseModel, ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 from pydantic_settings import SettingsError
 
-from switchyard.core.settings import ServiceSettings
+from switchyard.core.settings import (
+    ServiceSettings,
+    env_name,
+    field_at,
+    group_of,
+    on_command_line,
+    renamed,
+)
 
 S = TypeVar("S", bound=ServiceSettings)
 
@@ -61,6 +71,29 @@ class JsonType(click.ParamType):
         return parsed
 
 
+class SettingOption(click.Option):
+    """A flag of one setting: ``setting`` is its dotted name, ``section`` its heading."""
+
+    def __init__(self, decls: list[str], *, setting: str, section: str, **kwargs: Any) -> None:
+        super().__init__(decls, **kwargs)
+        self.setting = setting
+        self.section = section
+
+
+class SettingsCommand(click.Command):
+    """A command whose ``--help`` lists options under their settings' headings."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                sections.setdefault(getattr(param, "section", "Other"), []).append(record)
+        for heading, rows in sections.items():
+            with formatter.section(heading):
+                formatter.write_dl(rows)
+
+
 def settings_command(
     name: str,
     model: type[S],
@@ -70,28 +103,39 @@ def settings_command(
     aliases: Aliases | None = None,
 ) -> click.Command:
     """A click command whose options are ``model``'s fields; ``run`` gets the loaded settings."""
-    options, renamed = _options(model, (), aliases or {})
-    config = click.Option(
+    options = _options(model, model, (), aliases or {})
+    visible = {o for option in options for o in option.opts}
+    old_flags = _old_flags(model, visible)
+    config = SettingOption(
         ["--config", "config"],
+        setting="",
+        section=model.heading_of(next(iter(model.model_fields))),
         type=click.Path(dir_okay=False, path_type=Path),
         help=f"YAML config file (its '{model.section}' section, or a flat file).",
     )
+    by_setting = {option.setting: option for option in options}
 
     def callback(config: Path | None, **values: Any) -> None:
-        for old, new in renamed.items():
-            value = values.pop(old, None)
-            if value not in (None, ()):
-                click.echo(
-                    f"switchyard {name}: {_flag(tuple(old.split('__')))} is now "
-                    f"{_flag(tuple(new.split('__')))}; the old flag works until the next release",
-                    err=True,
-                )
-                if values.get(new) in (None, ()):
-                    values[new] = value
+        for option, old in old_flags:
+            value = values.pop(option.name or "", None)
+            if value in (None, ()):
+                continue
+            dest = option.setting.replace(".", "__")
+            new = by_setting.get(option.setting)
+            use = new.opts[0] if new is not None else _elsewhere(model, option.setting)
+            click.echo(f"warning: {old} is deprecated; use {use}", err=True)
+            if values.get(dest) in (None, ()):
+                values[dest] = value
         settings = load_settings(model, config, _nest(values))
         run(settings, config)
 
-    return click.Command(name, params=[config, *options], callback=callback, help=help)
+    params: list[click.Parameter] = [config, *options, *(o for o, _ in old_flags)]
+    return SettingsCommand(name, params=params, callback=callback, help=help)
+
+
+def _elsewhere(model: type[ServiceSettings], setting: str) -> str:
+    """Where a setting without a flag is set instead."""
+    return f"{model.section}.{setting} in the YAML file or {env_name(model, setting)}"
 
 
 def load_settings(model: type[S], config: Path | None, flags: dict[str, Any]) -> S:
@@ -148,34 +192,45 @@ def require_tokenizer(path: str | None, setting: str) -> None:
 
 
 def _options(
-    model: type[BaseModel], prefix: tuple[str, ...], aliases: Aliases
-) -> tuple[list[click.Option], dict[str, str]]:
-    """The options of every field (nested models flattened) and hidden old name -> new name."""
-    options: list[click.Option] = []
-    renamed: dict[str, str] = {}
+    service: type[ServiceSettings],
+    model: type[BaseModel],
+    prefix: tuple[str, ...],
+    aliases: Aliases,
+) -> list[SettingOption]:
+    """The options of every field with a flag, groups flattened, in field order."""
+    options: list[SettingOption] = []
     for name, field in model.model_fields.items():
         path = (*prefix, name)
-        annotation = _strip_optional(field.annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            nested, nested_renamed = _options(annotation, path, aliases)
-            options += nested
-            renamed.update(nested_renamed)
+        sub = group_of(field.annotation)
+        if sub is not None:
+            options += _options(service, sub, path, aliases)
             continue
-        dest = "__".join(path)
+        if not on_command_line(field):
+            continue
         names = list(aliases.get(".".join(path), ())) or [_flag(path)]
-        options.append(_option(names, dest, annotation, field, hidden=False))
-        for old in _old_names(field, name):
-            if _flag((*prefix, old)) in names:
-                continue
-            old_dest = "__".join((*prefix, old))
-            options.append(_option([_flag((*prefix, old))], old_dest, annotation, field, True))
-            renamed[old_dest] = dest
-    return options, renamed
+        options.append(_option(names, path, field, service.heading_of(path[0]), hidden=False))
+    return options
+
+
+def _old_flags(model: type[ServiceSettings], visible: set[str]) -> list[tuple[SettingOption, str]]:
+    """A hidden option per old name whose flag is not still a current flag, and its flag."""
+    out: list[tuple[SettingOption, str]] = []
+    for old, new in renamed(model).items():
+        flag = _flag(tuple(old.split(".")))
+        if flag in visible:
+            continue
+        field = field_at(model, new)
+        option = _option([flag], tuple(new.split(".")), field, "", hidden=True)
+        option.name = "old__" + "__".join(old.split("."))
+        out.append((option, flag))
+    return out
 
 
 def _option(
-    names: list[str], dest: str, annotation: Any, field: FieldInfo, hidden: bool
-) -> click.Option:
+    names: list[str], path: tuple[str, ...], field: FieldInfo, section: str, hidden: bool
+) -> SettingOption:
+    annotation = _strip_optional(field.annotation)
+    dest = "__".join(path)
     multiple = get_origin(annotation) is list
     help_text = field.description or ""
     if multiple and "repeatable" not in help_text:
@@ -184,17 +239,17 @@ def _option(
     if default is not None:
         help_text += f" [default: {default}]"
     inner = _strip_optional(get_args(annotation)[0]) if multiple else annotation
+    common: dict[str, Any] = {
+        "setting": ".".join(path),
+        "section": section,
+        "default": None,
+        "help": help_text,
+        "hidden": hidden,
+    }
     if inner is bool and not multiple:
         decls = [f"{n}/--no-{n.removeprefix('--')}" if n.startswith("--") else n for n in names]
-        return click.Option([*decls, dest], default=None, help=help_text, hidden=hidden)
-    return click.Option(
-        [*names, dest],
-        type=_click_type(inner),
-        multiple=multiple,
-        default=None,
-        help=help_text,
-        hidden=hidden,
-    )
+        return SettingOption([*decls, dest], **common)
+    return SettingOption([*names, dest], type=_click_type(inner), multiple=multiple, **common)
 
 
 def _click_type(annotation: Any) -> click.ParamType:
@@ -232,19 +287,12 @@ def _strip_optional(annotation: Any) -> Any:
     return annotation
 
 
-def _old_names(field: FieldInfo, name: str) -> list[str]:
-    alias = field.validation_alias
-    if not isinstance(alias, AliasChoices):
-        return []
-    return [c for c in alias.choices if isinstance(c, str) and c != name]
-
-
 def _flag(path: tuple[str, ...]) -> str:
     return "--" + "-".join(path).replace("_", "-")
 
 
 def _nest(values: dict[str, Any]) -> dict[str, Any]:
-    """``pd__protocol=x`` -> ``{"pd": {"protocol": x}}``, dropping unset flags."""
+    """``timeouts__connect_s=x`` -> ``{"timeouts": {"connect_s": x}}``, dropping unset flags."""
     out: dict[str, Any] = {}
     for dest, value in values.items():
         if value is None or value == ():

@@ -63,7 +63,7 @@ from switchyard.router.pd.settings import PDSettings
 from switchyard.router.request import COMPLETIONS, RoutedRequest
 from switchyard.router.scheduler.framework import Context
 from switchyard.router.scheduler.policies import build_scheduler
-from switchyard.router.settings import RouterSettings
+from switchyard.router.settings import KV, RouterSettings
 
 T = TypeVar("T")
 
@@ -263,7 +263,9 @@ class SimRouter:
         )
         options = {"seed": cfg.seed, **cfg.policy_options}
         scheduler = build_scheduler(policy, options, block_size=block_size)
-        settings = RouterSettings(policy=policy, policy_options=options, block_size=block_size)
+        settings = RouterSettings(
+            policy=policy, policy_options=options, kv=KV(block_size=block_size)
+        )
         self.app = RouterApp(settings, self.fleet, scheduler, self.store, clock=clock)
         self.tickets: dict[str, Ticket] = {}
         self.decisions = 0

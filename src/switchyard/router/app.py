@@ -99,9 +99,9 @@ class RouterApp:
                 kvstore,
                 fleet,
                 self.metrics,
-                speculative_ttl_s=settings.speculative_ttl_s,
-                event_lag_ttl_s=settings.event_lag_ttl_s,
-                parity_interval_s=settings.parity_interval_s if settings.kv_parity else None,
+                speculative_ttl_s=settings.kv.speculative_ttl_s,
+                event_lag_ttl_s=settings.kv.event_lag_ttl_s,
+                parity_interval_s=settings.kv.parity_interval_s if settings.kv.parity else None,
                 clock=clock,
                 siblings=siblings,
             )
@@ -109,35 +109,35 @@ class RouterApp:
             else None
         )
         self.ttft_model = TTFTModel(
-            settings.admission_prior_tokens_per_s, self.metrics.ttft_prediction
+            settings.admission.prior_tokens_per_s, self.metrics.ttft_prediction
         )
         self.admission = Admission(
             self.ttft_model,
             self.metrics,
-            default_slo_ms=settings.slo_ttft_ms,
-            max_wait_ms=settings.admission_max_wait_ms,
-            margin_ratio=settings.admission_margin_ratio,
-            calibrate=settings.admission_calibrate,
+            default_slo_ms=settings.admission.slo_ttft_ms,
+            max_wait_ms=settings.admission.max_wait_ms,
+            margin_ratio=settings.admission.margin_ratio,
+            calibrate=settings.admission.calibrate,
         )
         self.relay = Relay(
-            connect_timeout_s=settings.connect_timeout_s,
-            first_byte_timeout_s=settings.first_byte_timeout_s,
-            idle_timeout_s=settings.idle_timeout_s,
-            max_connections_per_worker=settings.max_connections_per_worker,
+            connect_timeout_s=settings.timeouts.connect_s,
+            first_byte_timeout_s=settings.timeouts.first_byte_s,
+            idle_timeout_s=settings.timeouts.idle_s,
+            max_connections_per_worker=settings.limits.max_connections_per_worker,
         )
         self.forwarder = Forwarder(
             fleet,
             self.relay,
             self.metrics,
-            max_attempts=settings.max_attempts,
-            backoff_s=settings.retry_backoff_s,
-            backoff_max_s=settings.retry_backoff_max_s,
+            max_attempts=settings.retry.max_attempts,
+            backoff_s=settings.retry.backoff_s,
+            backoff_max_s=settings.retry.backoff_max_s,
             kv=self.kv,
             ttft_model=self.ttft_model,
             deadlines=FirstByteDeadlines(
-                settings.first_byte_base_s,
-                settings.first_byte_slack,
-                settings.output_token_allowance_s,
+                settings.timeouts.first_byte_base_s,
+                settings.timeouts.first_byte_slack,
+                settings.timeouts.output_token_allowance_s,
             ),
         )
         self.pd = build_orchestrator(
@@ -146,12 +146,12 @@ class RouterApp:
             self.relay,
             self.forwarder,
             self.metrics,
-            max_attempts=settings.max_attempts,
+            max_attempts=settings.retry.max_attempts,
             kv=self.kv,
         )
         self.api_key = data_access(settings.api_key)
         self.tenants = TenantRequests(
-            self.metrics.registry, settings.tenant_max_in_flight, settings.retry_after_s
+            self.metrics.registry, settings.limits.max_in_flight_per_tenant, settings.retry.after_s
         )
         self.worker_authorization = (
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
@@ -196,7 +196,7 @@ class RouterApp:
                     error = RouterError(405, f"Method {scope['method']} not allowed; use POST")
                     await self._send_error(_Response(send), error, new_request_id())
                 return
-            limit = self.settings.max_header_bytes
+            limit = self.settings.limits.max_header_bytes
             if sum(len(k) + len(v) for k, v in scope["headers"]) > limit:
                 error = RouterError(
                     431, f"Request headers exceed {limit} bytes", code="headers_too_large"
@@ -262,10 +262,10 @@ class RouterApp:
         tenant: str | None = None
         admitted = False
         try:
-            if header_bytes > self.settings.max_header_bytes:
+            if header_bytes > self.settings.limits.max_header_bytes:
                 raise RouterError(
                     431,
-                    f"Request headers exceed {self.settings.max_header_bytes} bytes",
+                    f"Request headers exceed {self.settings.limits.max_header_bytes} bytes",
                     code="headers_too_large",
                 )
             tenant = self.api_key.tenant(auth)
@@ -343,7 +343,7 @@ class RouterApp:
         if (
             self.kv is not None
             and self.scheduler.needs_prefix
-            and ctx.prompt_tokens <= self.settings.kv_max_prompt_tokens
+            and ctx.prompt_tokens <= self.settings.kv.max_prompt_tokens
         ):
             await self.kv.annotate(ctx, req, candidates)
         ranked = self.scheduler.schedule(ctx, candidates)
@@ -374,7 +374,7 @@ class RouterApp:
             )
 
     async def _read_body(self, receive: Receive, content_length: int | None) -> bytes:
-        limit = self.settings.max_body_bytes
+        limit = self.settings.limits.max_body_bytes
         if content_length is not None and content_length > limit:
             raise RouterError(413, f"Request body exceeds {limit} bytes", code="body_too_large")
         chunks: list[bytes] = []
@@ -410,7 +410,7 @@ class RouterApp:
             503,
             message,
             code="no_healthy_worker",
-            headers={"retry-after": str(self.settings.retry_after_s)},
+            headers={"retry-after": str(self.settings.retry.after_s)},
         )
 
     async def _send_error(self, response: _Response, exc: RouterError, request_id: bytes) -> None:

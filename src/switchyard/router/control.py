@@ -144,13 +144,13 @@ def build_control_app(router: RouterApp) -> FastAPI:
             return JSONResponse(
                 status_code=503,
                 content={"status": "shutting_down", "routable_workers": routable},
-                headers={"retry-after": str(router.settings.retry_after_s)},
+                headers={"retry-after": str(router.settings.retry.after_s)},
             )
         if routable == 0:
             return JSONResponse(
                 status_code=503,
                 content={"status": "unavailable", "routable_workers": 0},
-                headers={"retry-after": str(router.settings.retry_after_s)},
+                headers={"retry-after": str(router.settings.retry.after_s)},
             )
         return JSONResponse({"status": "ready", "routable_workers": routable})
 

@@ -44,7 +44,7 @@ def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
     """Workers from flags/YAML, with the KV-event endpoints ``--kv-events`` assigns them."""
     specs = [WorkerSpec.parse(w) for w in settings.workers] + settings.pd.worker_specs()
     by_url = {spec.url: spec for spec in specs}
-    for item in settings.kv_events:
+    for item in settings.kv.events:
         url, sep, endpoint = item.partition("=")
         if not sep or not endpoint.startswith("tcp://"):
             raise ValueError(f"--kv-events wants WORKER_URL=tcp://HOST:PORT, not {item!r}")
@@ -79,17 +79,17 @@ def build_kvstore(
     """The KV store when the policy uses prefixes or the config points at one."""
     if settings.kvstore != "embedded":
         return RemoteKVStore(
-            settings.kvstore, block_size=settings.block_size, api_key=settings.kvstore_api_key
+            settings.kvstore, block_size=settings.kv.block_size, api_key=settings.kvstore_api_key
         )
-    if not (wanted or settings.tokenizer or settings.kv_events):
+    if not (wanted or settings.tokenizer or settings.kv.events):
         return None
     kv = KVStoreSettings.load(
         config_file,
         redis_url=settings.redis_url,
         tokenizer=settings.tokenizer,
-        block_size=settings.block_size,
-        speculative_ttl_s=settings.speculative_ttl_s,
-        kv_listen=settings.kv_listen,
+        block_size=settings.kv.block_size,
+        speculative_ttl_s=settings.kv.speculative_ttl_s,
+        kv_listen=settings.kv.listen,
     )
     return store_from_settings(kv)
 
@@ -101,7 +101,7 @@ def build_app(
 ) -> RouterApp:
     """``siblings``: the bus to the other processes of this router, if it runs several."""
     scheduler = build_scheduler(
-        settings.policy, settings.policy_options, block_size=settings.block_size
+        settings.policy, settings.policy_options, block_size=settings.kv.block_size
     )
     fleet = build_fleet(settings, config_file, siblings)
     kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
@@ -113,13 +113,15 @@ def preflight(settings: RouterSettings) -> None:
 
     The policies of every pool, the worker specs and their ``--kv-events``.
     """
-    build_scheduler(settings.policy, settings.policy_options, block_size=settings.block_size)
+    build_scheduler(settings.policy, settings.policy_options, block_size=settings.kv.block_size)
     pd = settings.pd
     pools = {"prefill": pd.prefill_policy, "decode": pd.decode_policy, "encode": pd.encode_policy}
     for pool, policy in pools.items():
         if policy is not None:
             try:
-                build_scheduler(policy, pd.policy_options.get(pool), block_size=settings.block_size)
+                build_scheduler(
+                    policy, pd.policy_options.get(pool), block_size=settings.kv.block_size
+                )
             except ValueError as exc:
                 raise ValueError(f"pd.{pool}_policy: {exc}") from None
     worker_specs(settings)
@@ -134,12 +136,12 @@ def startup_summary(settings: RouterSettings) -> list[str]:
     if settings.balancer != "embedded":
         fleet += f"; balancer service {settings.balancer}"
     scheduler = build_scheduler(
-        settings.policy, settings.policy_options, block_size=settings.block_size
+        settings.policy, settings.policy_options, block_size=settings.kv.block_size
     )
     with_events = sum(1 for spec in specs if spec.kv_events)
     if settings.kvstore != "embedded":
         kv = f"kvstore service {settings.kvstore}"
-    elif not (scheduler.needs_prefix or settings.tokenizer or settings.kv_events):
+    elif not (scheduler.needs_prefix or settings.tokenizer or settings.kv.events):
         kv = "off (the policy uses no prefixes)"
     elif with_events == len(specs) and specs:
         kv = f"events from {with_events} of {len(specs)} workers (--kv-events)"
@@ -154,12 +156,12 @@ def startup_summary(settings: RouterSettings) -> list[str]:
         kv = "events from the workers' /kv_event_sources (vLLM), else approximate placements"
     tokens = f"tokenizer {settings.tokenizer}" if settings.tokenizer else "approximate tokens"
     bs = (
-        f"{settings.block_size} until learned from events"
-        if settings.block_size
+        f"{settings.kv.block_size} until learned from events"
+        if settings.kv.block_size
         else "learned from events"
     )
-    if settings.kv_listen:
-        kv += f"; listening on {settings.kv_listen} for engines that connect"
+    if settings.kv.listen:
+        kv += f"; listening on {settings.kv.listen} for engines that connect"
     procs = f", {settings.process_count} processes" if settings.process_count > 1 else ""
     return [
         f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",
@@ -218,12 +220,12 @@ def drain(
     *,
     repeat_ends_drain: bool = True,
 ) -> None:
-    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``shutdown_drain_s`` the
-    listener closes and in-flight requests get ``shutdown_timeout_s`` to finish (uvicorn's
+    """On SIGTERM/SIGINT, ``/ready`` answers 503 at once; after ``timeouts.drain_s`` the
+    listener closes and in-flight requests get ``timeouts.shutdown_s`` to finish (uvicorn's
     graceful shutdown), then are cancelled (answered 503 ``shutting_down``) and the
     process exits. A second signal ends the drain at once unless ``repeat_ends_drain`` is
     off (a process of several gets the signal twice: from its group and from its parent)."""
-    drain_s = app.settings.shutdown_drain_s
+    drain_s = app.settings.timeouts.drain_s
     if app.draining and not repeat_ends_drain:
         return
     exit_now = functools.partial(request_exit, server)
@@ -386,10 +388,10 @@ SUPERVISOR_RESERVE_S = 1.0
 
 def graceful_window_s(settings: RouterSettings) -> float:
     """How long in-flight requests may run after the listener closes, so that the process
-    exits within ``shutdown_timeout_s`` of SIGTERM (drain included), as an orchestrator's
+    exits within ``timeouts.shutdown_s`` of SIGTERM (drain included), as an orchestrator's
     grace period expects. Never 0: uvicorn reads 0 as "wait for ever"."""
     reserve = EXIT_RESERVE_S + (SUPERVISOR_RESERVE_S if settings.process_count > 1 else 0.0)
-    window = settings.shutdown_timeout_s - settings.shutdown_drain_s - reserve
+    window = settings.timeouts.shutdown_s - settings.timeouts.drain_s - reserve
     return max(window, 0.01)
 
 
@@ -407,12 +409,12 @@ def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
         "http": functools.partial(
             ClientConnection,
             limits=ConnectionLimits(
-                header_timeout_s=settings.header_timeout_s,
-                body_timeout_s=settings.body_timeout_s,
-                max_connections=settings.max_client_connections,
-                max_header_bytes=settings.max_header_bytes,
-                keep_alive_s=settings.keep_alive_timeout_s,
-                retry_after_s=settings.retry_after_s,
+                header_timeout_s=settings.timeouts.header_s,
+                body_timeout_s=settings.timeouts.body_s,
+                max_connections=settings.limits.max_client_connections,
+                max_header_bytes=settings.limits.max_header_bytes,
+                keep_alive_s=settings.timeouts.keep_alive_s,
+                retry_after_s=settings.retry.after_s,
             ),
         ),
         "server_header": False,

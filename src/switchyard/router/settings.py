@@ -1,17 +1,22 @@
-"""Router settings: flags over SWITCHYARD_ROUTER_* environment over the YAML file's `router:`."""
+"""Router settings: flags over SWITCHYARD_ROUTER_* environment over the YAML file's `router:`.
+
+The knobs come in groups, each one value with its own repr (``settings.timeouts``,
+``settings.limits``, ``settings.retry``, ``settings.admission``, ``settings.kv``,
+``settings.pd``), so a reader sees the eight timeouts as one thing.
+"""
 
 from __future__ import annotations
 
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.core.auth import tenant_keys
-from switchyard.core.settings import ServiceSettings
+from switchyard.core.settings import NO_FLAG, Group, ServiceSettings
 from switchyard.kvstore.settings import zmq_endpoint
 from switchyard.router.pd.settings import PDSettings
 
@@ -29,14 +34,270 @@ def usable_cores(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     return cores
 
 
+class Timeouts(Group):
+    """How long the router waits: for workers, for clients, and on shutdown."""
+
+    heading: ClassVar[str] = "Timeouts"
+
+    connect_s: float = Field(default=3.0, gt=0, description="connect to a worker")
+    first_byte_s: float = Field(
+        default=600.0, gt=0, description="longest wait for a worker's first byte"
+    )
+    first_byte_base_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="first-byte deadline before another worker is tried: this plus "
+        "first_byte_slack x the TTFT the worker's learned rate predicts (until one is "
+        "learned: admission.prior_tokens_per_s)",
+        json_schema_extra=NO_FLAG,
+    )
+    first_byte_slack: float = Field(
+        default=4.0,
+        ge=1,
+        description="how many times its predicted prefill a worker may take",
+        json_schema_extra=NO_FLAG,
+    )
+    output_token_allowance_s: float = Field(
+        default=0.25,
+        gt=0,
+        description="seconds per max_tokens a non-streamed answer adds to its first-byte "
+        "deadline (a completion without it: 16, the API's default; a chat without it gets "
+        "the learned time of whole answers instead)",
+        json_schema_extra=NO_FLAG,
+    )
+    idle_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
+    header_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a client's request head must arrive within this (408 and close beyond)",
+    )
+    body_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a client's request body must arrive within this after its head "
+        "(connection closed beyond)",
+    )
+    keep_alive_s: float = Field(
+        default=30.0, gt=0, description="close a client connection idle this long after an answer"
+    )
+    shutdown_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="on SIGTERM, the process exits within this long: in-flight requests "
+        "run until 1 s before it (less drain_s), then are cancelled",
+    )
+    drain_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="on SIGTERM, /ready answers 503 this long before the listener closes "
+        "(for load balancers to notice)",
+    )
+
+
+class Limits(Group):
+    """How much the router accepts: request sizes, connections and in-flight requests."""
+
+    heading: ClassVar[str] = "Limits"
+
+    max_header_bytes: int = Field(
+        default=32 * 1024, ge=1024, description="request header cap (431 beyond it)"
+    )
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
+    max_client_connections: int = Field(
+        default=2048,
+        ge=0,
+        description="open client connections per router process; beyond, 503 "
+        "too_many_connections (0: unbounded)",
+    )
+    max_connections_per_worker: int = Field(
+        default=0, ge=0, description="connection pool per worker (0: unbounded)"
+    )
+    max_in_flight_per_tenant: int = Field(
+        default=0,
+        ge=0,
+        description="requests one tenant (of api_key's TENANT:KEY; keys bound to none share "
+        "'default') may have in flight per router process; beyond, 429 (0: no limit)",
+    )
+
+
+class Retry(Group):
+    """How a failed attempt is retried on another worker, and what refused clients are told."""
+
+    heading: ClassVar[str] = "Retry"
+
+    max_attempts: int = Field(default=3, ge=1, description="tries per request over workers")
+    backoff_s: float = Field(default=0.02, ge=0, description="first retry backoff")
+    backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")
+    after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503 answers")
+
+
+class Admission(Group):
+    """SLO-aware admission (Mooncake-style early rejection): refuse what would miss its TTFT."""
+
+    heading: ClassVar[str] = "Admission"
+
+    slo_ttft_ms: float | None = Field(
+        default=None, gt=0, description="default TTFT objective for admission"
+    )
+    max_wait_ms: float = Field(
+        default=250.0,
+        ge=0,
+        description="longest wait for a worker to meet the TTFT objective when its prediction "
+        "is within margin_ratio of it",
+    )
+    margin_ratio: float = Field(
+        default=0.25,
+        ge=0,
+        description="over the TTFT objective by more than this fraction: reject at once; "
+        "within it: wait up to max_wait_ms",
+        json_schema_extra=NO_FLAG,
+    )
+    prior_tokens_per_s: float = Field(
+        default=10_000.0,
+        gt=0,
+        description="prefill rate assumed for a worker until its answers or calibration teach one",
+        json_schema_extra=NO_FLAG,
+    )
+    calibrate: bool = Field(
+        default=False,
+        description="at start-up, one short and one long canary per worker to learn its TTFT "
+        "overhead and prefill rate",
+    )
+
+
+class KV(Group):
+    """KV-aware routing: where prefix knowledge comes from and how long guesses last."""
+
+    heading: ClassVar[str] = "KV-aware routing"
+
+    events: list[str] = Field(
+        default_factory=list,
+        description="WORKER_URL=tcp://HOST:PORT of its KV-event publisher (vLLM workers "
+        "without it are asked for their /kv_event_sources)",
+    )
+    listen: str | None = Field(
+        default=None,
+        description="tcp://HOST:PORT to bind for engines that connect their KV events",
+    )
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV block size, tokens, until an engine's events tell its own "
+        "(default: the kvstore's)",
+    )
+    parity: bool = Field(
+        default=True,
+        description="hash-parity self-check: a canary chat per worker at start-up and every "
+        "parity_interval_s (needs --tokenizer)",
+    )
+    parity_interval_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="hash-parity self-check per worker: every N s (0: only at start-up)",
+    )
+    speculative_ttl_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="TTL of placements recorded without KV events",
+        json_schema_extra=NO_FLAG,
+    )
+    event_lag_ttl_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="placements bridge the wait for engines' KV events",
+        json_schema_extra=NO_FLAG,
+    )
+    max_prompt_tokens: int = Field(
+        default=1 << 20,
+        ge=1,
+        description="longest prompt (estimated tokens) looked up for cached prefixes; longer "
+        "ones are routed by load (their token lists would hold the loop and the memory)",
+        json_schema_extra=NO_FLAG,
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen_endpoint(cls, value: str | None) -> str | None:
+        if value is not None and not zmq_endpoint(value):
+            raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
+        return value
+
+
+# Where each setting that moved into a group used to live, read for one release.
+MOVED = {
+    "connect_timeout_s": "timeouts.connect_s",
+    "first_byte_timeout_s": "timeouts.first_byte_s",
+    "first_byte_base_s": "timeouts.first_byte_base_s",
+    "first_byte_slack": "timeouts.first_byte_slack",
+    "output_token_allowance_s": "timeouts.output_token_allowance_s",
+    "idle_timeout_s": "timeouts.idle_s",
+    "header_timeout_s": "timeouts.header_s",
+    "body_timeout_s": "timeouts.body_s",
+    "keep_alive_timeout_s": "timeouts.keep_alive_s",
+    "shutdown_timeout_s": "timeouts.shutdown_s",
+    "shutdown_drain_s": "timeouts.drain_s",
+    "max_header_bytes": "limits.max_header_bytes",
+    "max_body_bytes": "limits.max_body_bytes",
+    "max_client_connections": "limits.max_client_connections",
+    "max_connections_per_worker": "limits.max_connections_per_worker",
+    "tenant_max_in_flight": "limits.max_in_flight_per_tenant",
+    "max_attempts": "retry.max_attempts",
+    "retry_backoff_s": "retry.backoff_s",
+    "retry_backoff_max_s": "retry.backoff_max_s",
+    "retry_after_s": "retry.after_s",
+    "slo_ttft_ms": "admission.slo_ttft_ms",
+    "admission_max_wait_ms": "admission.max_wait_ms",
+    "admission_margin_ratio": "admission.margin_ratio",
+    "admission_prior_tokens_per_s": "admission.prior_tokens_per_s",
+    "admission_calibrate": "admission.calibrate",
+    "kv_events": "kv.events",
+    "kv_listen": "kv.listen",
+    "block_size": "kv.block_size",
+    "kv_parity": "kv.parity",
+    "parity_interval_s": "kv.parity_interval_s",
+    "speculative_ttl_s": "kv.speculative_ttl_s",
+    "event_lag_ttl_s": "kv.event_lag_ttl_s",
+    "kv_max_prompt_tokens": "kv.max_prompt_tokens",
+}
+
+
 class RouterSettings(ServiceSettings):
     section = "router"
+    moved = MOVED
+    headings = {
+        "Service": ("host", "port", "processes", "log_level"),
+        "Fleet and routing": (
+            "workers",
+            "policy",
+            "policy_options",
+            "tokenizer",
+            "kvstore",
+            "balancer",
+            "redis_url",
+        ),
+        "Auth": (
+            "api_key",
+            "admin_api_key",
+            "worker_api_key",
+            "metrics_auth",
+            "kvstore_api_key",
+            "balancer_api_key",
+            "client_kv_transfer",
+        ),
+    }
     model_config = SettingsConfigDict(
         env_prefix="SWITCHYARD_ROUTER_", extra="ignore", env_nested_delimiter="__"
     )
 
     host: str = Field(default="127.0.0.1", description="bind address")
     port: int = Field(default=8000, description="bind port")
+    processes: int | Literal["auto"] = Field(
+        default="auto",
+        description="router processes sharing the port (auto: one per core this process may "
+        "use); they share in-flight counts, admin changes and placements",
+    )
+    log_level: str = Field(default="warning", description="uvicorn and router log level")
+
     workers: list[str] = Field(
         default_factory=list,
         description="worker URL, repeatable; options as 'http://h:p;role=prefill;dp=4'",
@@ -49,16 +310,25 @@ class RouterSettings(ServiceSettings):
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="policy options as JSON (see the README's policies)"
     )
+    tokenizer: str | None = Field(
+        default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
+    )
+    kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
+    balancer: str = Field(
+        default="embedded",
+        description="'embedded' (configured by the balancer section and SWITCHYARD_BALANCER_*) "
+        "or a balancer service URL",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("redis_url", "redis"),
+        description="Redis URL: state shared by router replicas",
+    )
+
     api_key: str | None = Field(
         default=None,
         description="Bearer keys clients must send, comma-separated; TENANT:KEY binds a key "
         "to a tenant that labels its requests",
-    )
-    tenant_max_in_flight: int = Field(
-        default=0,
-        ge=0,
-        description="requests one tenant (of api_key's TENANT:KEY; keys bound to none share "
-        "'default') may have in flight per router process; beyond, 429 (0: no limit)",
     )
     admin_api_key: str | None = Field(default=None, description="Bearer key for /admin")
     worker_api_key: str | None = Field(
@@ -71,98 +341,6 @@ class RouterSettings(ServiceSettings):
         description="key /metrics, /docs and /openapi.json need: none, api_key, admin_key, "
         "or auto (admin_key once an admin key is set, else none)",
     )
-    client_kv_transfer: bool = Field(
-        default=False,
-        description="accept clients' kv_transfer_params and bootstrap_* body fields "
-        "(only behind an outer P/D proxy; else they are refused with 400)",
-    )
-    max_header_bytes: int = Field(
-        default=32 * 1024, ge=1024, description="request header cap (431 beyond it)"
-    )
-
-    connect_timeout_s: float = Field(default=3.0, gt=0, description="connect to a worker")
-    first_byte_timeout_s: float = Field(
-        default=600.0, gt=0, description="longest wait for a worker's first byte"
-    )
-    first_byte_base_s: float = Field(
-        default=5.0,
-        gt=0,
-        description="first-byte deadline before another worker is tried: this plus "
-        "first_byte_slack x the TTFT the worker's learned rate predicts (until one is "
-        "learned: admission_prior_tokens_per_s)",
-    )
-    first_byte_slack: float = Field(
-        default=4.0, ge=1, description="how many times its predicted prefill a worker may take"
-    )
-    output_token_allowance_s: float = Field(
-        default=0.25,
-        gt=0,
-        description="seconds per max_tokens a non-streamed answer adds to its first-byte "
-        "deadline (a completion without it: 16, the API's default; a chat without it gets "
-        "the learned time of whole answers instead)",
-    )
-    idle_timeout_s: float = Field(default=120.0, gt=0, description="gap between stream chunks")
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
-
-    header_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        description="a client's request head must arrive within this (408 and close beyond)",
-    )
-    body_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="a client's request body must arrive within this after its head "
-        "(connection closed beyond)",
-    )
-    keep_alive_timeout_s: float = Field(
-        default=30.0, gt=0, description="close a client connection idle this long after an answer"
-    )
-    max_client_connections: int = Field(
-        default=2048,
-        ge=0,
-        description="open client connections per router process; beyond, 503 "
-        "too_many_connections (0: unbounded)",
-    )
-    shutdown_timeout_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="on SIGTERM, the process exits within this long: in-flight requests "
-        "run until 1 s before it (less shutdown_drain_s), then are cancelled",
-    )
-    shutdown_drain_s: float = Field(
-        default=0.0,
-        ge=0,
-        description="on SIGTERM, /ready answers 503 this long before the listener closes "
-        "(for load balancers to notice)",
-    )
-
-    max_attempts: int = Field(default=3, ge=1, description="tries per request over workers")
-    retry_backoff_s: float = Field(default=0.02, ge=0, description="first retry backoff")
-    retry_backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")
-    retry_after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503 answers")
-
-    max_connections_per_worker: int = Field(
-        default=0, ge=0, description="connection pool per worker (0: unbounded)"
-    )
-    processes: int | Literal["auto"] = Field(
-        default="auto",
-        description="router processes sharing the port (auto: one per core this process may "
-        "use); they share in-flight counts, admin changes and placements",
-    )
-    log_level: str = Field(default="warning", description="uvicorn and router log level")
-
-    # KV-aware routing: where prefix knowledge comes from.
-    tokenizer: str | None = Field(
-        default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
-    )
-    kv_events: list[str] = Field(
-        default_factory=list,
-        description="WORKER_URL=tcp://HOST:PORT of its KV-event publisher (vLLM workers "
-        "without it are asked for their /kv_event_sources)",
-    )
-    kvstore: str = Field(default="embedded", description="'embedded' or a kvstore service URL")
-    balancer: str = Field(default="embedded", description="'embedded' or a balancer service URL")
     kvstore_api_key: str | None = Field(
         default=None,
         description="key sent to the kvstore service: its admin_api_key (placements need it)",
@@ -172,71 +350,17 @@ class RouterSettings(ServiceSettings):
         description="key sent to the balancer service: its admin_api_key to add workers, "
         "else its api_key",
     )
-    redis_url: str | None = Field(
-        default=None,
-        validation_alias=AliasChoices("redis_url", "redis"),
-        description="Redis URL: state shared by router replicas",
-    )
-    block_size: int | None = Field(
-        default=None,
-        ge=1,
-        description="KV block size, tokens, until an engine's events tell its own "
-        "(default: the kvstore's)",
-    )
-    kv_listen: str | None = Field(
-        default=None,
-        description="tcp://HOST:PORT to bind for engines that connect their KV events",
-    )
-    kv_parity: bool = Field(
-        default=True,
-        description="hash-parity self-check: a canary chat per worker at start-up and every "
-        "parity_interval_s (needs --tokenizer)",
-    )
-    parity_interval_s: float = Field(
-        default=300.0,
-        ge=0,
-        description="hash-parity self-check per worker: every N s (0: only at start-up)",
-    )
-    speculative_ttl_s: float = Field(
-        default=30.0, ge=0, description="TTL of placements recorded without KV events"
-    )
-    kv_max_prompt_tokens: int = Field(
-        default=1 << 20,
-        ge=1,
-        description="longest prompt (estimated tokens) looked up for cached prefixes; longer "
-        "ones are routed by load (their token lists would hold the loop and the memory)",
-    )
-    event_lag_ttl_s: float = Field(
-        default=2.0, ge=0, description="placements bridge the wait for engines' KV events"
-    )
-
-    # SLO-aware admission (Mooncake-style early rejection).
-    slo_ttft_ms: float | None = Field(
-        default=None, gt=0, description="default TTFT objective for admission"
-    )
-    admission_max_wait_ms: float = Field(
-        default=250.0,
-        ge=0,
-        description="longest wait for a worker to meet the TTFT objective when its prediction "
-        "is within admission_margin_ratio of it",
-    )
-    admission_margin_ratio: float = Field(
-        default=0.25,
-        ge=0,
-        description="over the TTFT objective by more than this fraction: reject at once; "
-        "within it: wait up to admission_max_wait_ms",
-    )
-    admission_prior_tokens_per_s: float = Field(
-        default=10_000.0,
-        gt=0,
-        description="prefill rate assumed for a worker until its answers or calibration teach one",
-    )
-    admission_calibrate: bool = Field(
+    client_kv_transfer: bool = Field(
         default=False,
-        description="at start-up, one short and one long canary per worker to learn its TTFT "
-        "overhead and prefill rate",
+        description="accept clients' kv_transfer_params and bootstrap_* body fields "
+        "(only behind an outer P/D proxy; else they are refused with 400)",
     )
 
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    limits: Limits = Field(default_factory=Limits)
+    retry: Retry = Field(default_factory=Retry)
+    admission: Admission = Field(default_factory=Admission)
+    kv: KV = Field(default_factory=KV)
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)
 
@@ -255,7 +379,7 @@ class RouterSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _one_listener(self) -> RouterSettings:
-        if self.kv_listen and self.processes != "auto" and self.processes > 1:
+        if self.kv.listen and self.processes != "auto" and self.processes > 1:
             raise ValueError(
                 f"--kv-listen binds one socket, which one of --processes {self.processes} "
                 "could hold: use --processes 1 (or auto)"
@@ -265,14 +389,7 @@ class RouterSettings(ServiceSettings):
     @property
     def process_count(self) -> int:
         """``processes`` resolved: auto is one per core this process may use (``usable_cores``),
-        or one with ``kv_listen`` (engines connect to a single socket, which one process binds)."""
+        or one with ``kv.listen`` (engines connect to a single socket, which one process binds)."""
         if self.processes == "auto":
-            return 1 if self.kv_listen else usable_cores()
+            return 1 if self.kv.listen else usable_cores()
         return self.processes
-
-    @field_validator("kv_listen")
-    @classmethod
-    def _listen_endpoint(cls, value: str | None) -> str | None:
-        if value is not None and not zmq_endpoint(value):
-            raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
-        return value

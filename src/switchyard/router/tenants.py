@@ -1,6 +1,6 @@
 """Requests per tenant: the tenant a data key is bound to (``TENANT:KEY`` in ``api_key``)
 labels each request the router answers, so one tenant's traffic and failures can be told
-from another's, and may hold at most ``tenant_max_in_flight`` requests at once, so one
+from another's, and may hold at most ``limits.max_in_flight_per_tenant`` requests at once, so one
 tenant's flood cannot take every slot of the fleet from the others.
 
 Tenant names come only from the configuration (``switchyard.core.auth.tenant_keys``), so the

@@ -5,17 +5,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from switchyard.balancer.worker import Role, WorkerSpec
+from switchyard.core.settings import Group
 
 Protocol = Literal["vllm", "sglang"]
 
 
-class PDSettings(BaseModel):
+class PDSettings(Group):
     """How the router runs disaggregated requests; inert until a protocol or P/D worker exists."""
+
+    heading: ClassVar[str] = "P/D"
 
     protocol: Protocol | None = Field(default=None, description="P/D wire protocol")
     prefill: list[str] = Field(
