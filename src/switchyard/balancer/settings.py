@@ -16,6 +16,64 @@ class BalancerSettings(ServiceSettings):
     """Health, circuit breaking, outlier ejection, load model, DP policy and registry sources."""
 
     section = "balancer"
+    headings = {
+        "Service": ("host", "port", "log_level", "admin_api_key", "api_key"),
+        "Registry sources": (
+            "workers",
+            "workers_file",
+            "file_poll_interval_s",
+            "kubernetes",
+            "kubernetes_host",
+            "kubernetes_namespace",
+            "kubernetes_selector",
+            "kubernetes_port",
+            "kubernetes_watch_timeout_s",
+        ),
+        "Active probes": (
+            "probe_interval_s",
+            "probe_timeout_s",
+            "probe_path",
+            "unhealthy_threshold",
+            "healthy_threshold",
+            "probe_budget_per_s",
+            "probe_max_interval_s",
+            "model_refresh_interval_s",
+        ),
+        "Circuit breaker": (
+            "cb_failure_threshold",
+            "cb_open_timeout_s",
+            "cb_half_open_trials",
+            "cb_success_threshold",
+        ),
+        "Outlier ejection and slow start": (
+            "outlier_window",
+            "outlier_min_requests",
+            "outlier_error_rate",
+            "outlier_ejection_s",
+            "outlier_max_ejected_fraction",
+            "slow_start_s",
+            "slow_start_min_weight",
+        ),
+        "Load": (
+            "scrape_interval_s",
+            "scrape_timeout_s",
+            "scrape_staleness_s",
+            "kv_usage_weight",
+            "dp_policy",
+            "step_seq_cost_us",
+            "step_context_token_cost_us",
+            "step_prefill_token_cost_us",
+            "step_token_budget",
+        ),
+        "Shared state": (
+            "redis_url",
+            "redis_prefix",
+            "lease_s",
+            "sync_interval_s",
+            "sibling_sync_interval_s",
+            "ticket_ttl_s",
+        ),
+    }
     # The prefix applies to aliases too: old names keep their SWITCHYARD_BALANCER_ variable.
     model_config = SettingsConfigDict(
         env_prefix="SWITCHYARD_BALANCER_", extra="ignore", env_prefix_target="all"

@@ -83,6 +83,21 @@ CAPACITY_BLOCKS = 2_000_000
 
 class KVStoreSettings(ServiceSettings):
     section = "kvstore"
+    headings = {
+        "Service": ("host", "port", "api_key", "admin_api_key", "log_level"),
+        "Event sources": ("subscription_hosts", "subscribe", "workers", "kv_listen"),
+        "Tokenization": ("tokenizer", "tokenize_url", "tokenize_cache_bytes", "key_cache_bytes"),
+        "Index": (
+            "redis_url",
+            "redis_prefix",
+            "redis_idle_ttl_s",
+            "block_size",
+            "seed",
+            "capacity_blocks",
+            "speculative_ttl_s",
+            "lookup_timeout_ms",
+        ),
+    }
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_KVSTORE_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="bind address")

@@ -20,6 +20,54 @@ class MockSettings(ServiceSettings):
     """Everything one mock engine process needs; engine timing fields default to the model's."""
 
     section = "mock"
+    headings = {
+        "Service": (
+            "host",
+            "port",
+            "flavor",
+            "model",
+            "tokenizer",
+            "max_model_len",
+            "default_max_tokens",
+            "role",
+            "engine_id",
+        ),
+        "Engine model": (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "enable_prefix_caching",
+            "step_base_us",
+            "prefill_token_us",
+            "decode_token_us",
+            "context_token_us",
+            "kv_transfer_us_per_block",
+            "held_kv_timeout_s",
+            "speed",
+            "seed",
+        ),
+        "Data parallel": ("dp_size", "dp_external"),
+        "KV events": (
+            "kv_events_port",
+            "kv_events_replay_port",
+            "kv_events_encoding",
+            "kv_events_topic",
+        ),
+        "P/D": ("bootstrap_port", "pd_wait_timeout_s", "encode_us_per_image"),
+        "Faults": (
+            "fault_error_rate",
+            "fault_error_codes",
+            "fault_latency_rate",
+            "fault_latency_ms",
+            "fault_hang_rate",
+            "fault_crash_after",
+            "fault_slow_stream_ms",
+            "fault_drop_after_tokens",
+            "fault_drop_rate",
+            "fault_kv_gap",
+        ),
+    }
     model_config = SettingsConfigDict(env_prefix="SWITCHYARD_MOCK_", extra="ignore")
 
     host: str = Field(default="127.0.0.1", description="bind address")
