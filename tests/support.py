@@ -1,13 +1,20 @@
-"""Test support: the package's process launcher, the test tokenizer, metric reading."""
+"""Test support: the package's process launcher, the test tokenizer, metric reading, and
+the one way a test waits for something another thread, task or process does."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from switchyard.loadtest.procs import Server, free_port, free_port_block, redis_server, wait_http
 from switchyard.loadtest.prom import values
 from switchyard.mock.settings import DEFAULT_TOKENIZER
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = Path(DEFAULT_TOKENIZER)
@@ -17,6 +24,8 @@ __all__ = [
     "TOKENIZER_DIR",
     "Server",
     "free_port",
+    "eventually",
+    "eventually_async",
     "free_port_block",
     "metric",
     "one_process",
@@ -37,3 +46,47 @@ def one_process(args: Sequence[str] = ()) -> list[str]:
     per core) which process takes a connection, with its own counters, caps and round-robin
     turn, would be part of every test that starts a router."""
     return [] if "--processes" in args else ["--processes", "1"]
+
+
+def _timed_out(predicate: object, timeout_s: float, message: str | None) -> AssertionError:
+    what = message or getattr(predicate, "__name__", repr(predicate))
+    return AssertionError(f"not true within {timeout_s} s: {what}")
+
+
+def eventually(
+    predicate: Callable[[], T],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.01,
+    message: str | None = None,
+) -> T:
+    """``predicate()``'s first truthy value, polled every ``interval_s``; an
+    ``AssertionError`` after ``timeout_s``. The bound is a ceiling for a loaded machine,
+    never what a test asserts: a test that waits for an event states the event."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise _timed_out(predicate, timeout_s, message)
+        time.sleep(interval_s)
+
+
+async def eventually_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.01,
+    message: str | None = None,
+) -> T:
+    """:func:`eventually` in an event loop: the loop runs between polls, and ``predicate``
+    may be a coroutine function."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise _timed_out(predicate, timeout_s, message)
+        await asyncio.sleep(interval_s)

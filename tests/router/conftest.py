@@ -1,8 +1,9 @@
-"""Fixtures for router tests: a scriptable stub backend and routers as real processes."""
+"""Fixtures for router tests: scriptable stub workers (in the test's event loop or in a
+thread) and routers as real processes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,16 @@ def start_router(tmp_path: Path) -> Iterator[StartRouter]:
 def dead_url() -> str:
     """A loopback URL nothing listens on: connections are refused at once."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[StubBackend]:
+    """A stub worker in the test's event loop, for a router app run in-process."""
+    async with StubBackend() as backend:
+        yield backend
+
+
+@pytest.fixture
+async def engine2() -> AsyncIterator[StubBackend]:
+    async with StubBackend() as backend:
+        yield backend

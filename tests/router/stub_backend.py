@@ -1,21 +1,23 @@
-"""A scriptable OpenAI-ish backend for router tests, served by aiohttp in a thread.
+"""A scriptable OpenAI-ish backend for router tests, a few lines of HTTP/1.1 on asyncio.
 
 The mock engine is the realistic backend; this one exists to control exactly what
-the router sees (status codes, hangs, slow streams) and to timestamp when the
-router closed a connection.
+the router sees (status codes, hangs, slow streams, connections cut midway) and to
+timestamp when the router closed a connection. It runs in the test's own event loop
+(``async with StubBackend() as stub``), so a router app tested in-process reaches it
+over loopback with no thread, or in a thread of its own (``start``/``stop``) for tests
+whose router is a process and whose test body blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http
 import threading
 import time
 from dataclasses import dataclass, field
 
 import orjson
-from aiohttp import web
-
-from tests.support import free_port
 
 
 @dataclass
@@ -26,6 +28,7 @@ class StubState:
     # Close the connection after this many chunks (streams) or half the body (others).
     cut_after_chunks: int | None = None
     chunk_interval_s: float = 0.05
+    chunks: int = 100_000  # a stream ends after this many chunks
     models: list[str] = field(default_factory=lambda: ["stub-model"])
     requests: int = 0
     last_headers: dict[str, str] = field(default_factory=dict)
@@ -33,88 +36,166 @@ class StubState:
     disconnected_at: list[float] = field(default_factory=list)
 
 
+_COMPLETIONS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
+
+
+class _Cut(Exception):
+    """The stub closed the connection on purpose."""
+
+
 class StubBackend:
     def __init__(self) -> None:
         self.state = StubState()
-        self.port = free_port()
+        self.port = 0
+        self.url = ""
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- in the test's event loop ------------------------------------------------------
+
+    async def __aenter__(self) -> StubBackend:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+
+    async def close(self) -> None:
+        """Close the listener and every connection; safe to call twice."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        for task in list(self._connections):
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        await server.wait_closed()
+
+    # -- in a thread of its own --------------------------------------------------------
 
     def start(self) -> StubBackend:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        asyncio.run_coroutine_threadsafe(self.open(), self._loop).result(10)
         return self
 
     def stop(self) -> None:
         """Close the listener and every connection; safe to call twice."""
-        if self._runner is None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or self._server is None:
             return
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._runner = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        asyncio.run_coroutine_threadsafe(self.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
 
-    async def _start(self) -> None:
-        app = web.Application(client_max_size=64 * 2**20)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._completion)
-        app.router.add_post("/v1/chat/completions", self._completion)
-        app.router.add_post("/v1/embeddings", self._completion)
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+    # -- HTTP --------------------------------------------------------------------------
 
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._requests(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError, _Cut):
+            pass
+        finally:
+            self._connections.discard(task)
+            writer.close()  # after what was written, as a cut connection is
 
-    async def _models(self, request: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "owned_by": "stub"} for m in self.state.models]
-        return web.json_response({"object": "list", "data": data})
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        carry = b""  # a byte of the next request, read while watching for a disconnect
+        while True:
+            head = carry + await reader.readuntil(b"\r\n\r\n")
+            request_line, *lines = head.decode("latin-1").split("\r\n")
+            method, path, _ = request_line.split(" ", 2)
+            headers = {}
+            for line in lines:
+                if line:
+                    name, _, value = line.partition(":")
+                    headers[name.strip().lower()] = value.strip()
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            answer = asyncio.create_task(self._answer(method, path, headers, body, writer))
+            gone = asyncio.create_task(reader.read(1))
+            try:
+                await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+                answered = answer.done() and not isinstance(answer.exception(), ConnectionError)
+                closed = gone.done() and (gone.exception() is not None or not gone.result())
+            finally:
+                answer.cancel()  # both no-ops once done
+                gone.cancel()
+            if not answered:  # the client went away before its answer was complete
+                self.state.disconnected_at.append(time.monotonic())
+                return
+            answer.result()
+            carry = gone.result() if gone.done() else b""
+            if closed or headers.get("connection", "").lower() == "close":
+                return
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
+    async def _answer(
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        out: asyncio.StreamWriter,
+    ) -> None:
         s = self.state
+        if method == "GET" and path == "/health":
+            return await _send_json(out, 200, {"status": "ok"})
+        if method == "GET" and path == "/v1/models":
+            data = [{"id": m, "object": "model", "owned_by": "stub"} for m in s.models]
+            return await _send_json(out, 200, {"object": "list", "data": data})
+        if method != "POST" or path not in _COMPLETIONS:
+            return await _send_json(out, 404, {"detail": "Not Found"})
         s.requests += 1
-        s.last_headers = {k.lower(): v for k, v in request.headers.items()}
-        raw = s.last_body = await request.read()
+        s.last_headers = headers
+        s.last_body = body
         if s.hang:
             await asyncio.sleep(3600)
         await asyncio.sleep(s.delay_s)
         if s.status != 200:
-            return web.json_response(
-                {"error": {"message": "stub failure", "type": "server_error", "code": s.status}},
-                status=s.status,
-            )
-        body = orjson.loads(raw)  # not last_body: a concurrent request may have replaced it
-        if not body.get("stream"):
-            answer = {"id": "cmpl-stub", "object": "text_completion", "echo": body}
+            error = {"message": "stub failure", "type": "server_error", "code": s.status}
+            return await _send_json(out, s.status, {"error": error})
+        request = orjson.loads(body)
+        if not request.get("stream"):
+            answer = {"id": "cmpl-stub", "object": "text_completion", "echo": request}
             if s.cut_after_chunks is None:
-                return web.json_response(answer)
-            return await self._cut_whole(request, orjson.dumps(answer))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for i in range(100_000):
-                if i == s.cut_after_chunks:
-                    assert request.transport is not None
-                    request.transport.close()
-                    return resp
-                await resp.write(b'data: {"i": %d}\n\n' % i)
-                await asyncio.sleep(s.chunk_interval_s)
-        except (asyncio.CancelledError, ConnectionResetError):
-            s.disconnected_at.append(time.monotonic())
-            raise
-        return resp
+                return await _send_json(out, 200, answer)
+            payload = orjson.dumps(answer)  # announced whole, half sent, then cut
+            out.write(_head(200, "application/json", len(payload)) + payload[: len(payload) // 2])
+            await out.drain()
+            raise _Cut
+        out.write(_head(200, "text/event-stream", None))
+        for i in range(s.chunks):
+            if i == s.cut_after_chunks:
+                await out.drain()
+                raise _Cut
+            piece = b'data: {"i": %d}\n\n' % i
+            out.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await out.drain()
+            await asyncio.sleep(s.chunk_interval_s)
+        out.write(b"0\r\n\r\n")
+        await out.drain()
 
-    async def _cut_whole(self, request: web.Request, body: bytes) -> web.StreamResponse:
-        """Announce the whole body, send half of it, then drop the connection."""
-        resp = web.StreamResponse(
-            headers={"Content-Type": "application/json", "Content-Length": str(len(body))}
-        )
-        await resp.prepare(request)
-        await resp.write(body[: len(body) // 2])
-        assert request.transport is not None
-        request.transport.close()
-        return resp
+
+def _head(status: int, content_type: str, length: int | None) -> bytes:
+    framing = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return (
+        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n"
+        f"Content-Type: {content_type}\r\n{framing}\r\n\r\n"
+    ).encode("latin-1")
+
+
+async def _send_json(out: asyncio.StreamWriter, status: int, value: object) -> None:
+    payload = orjson.dumps(value)
+    out.write(_head(status, "application/json", len(payload)) + payload)
+    with contextlib.suppress(ConnectionError):
+        await out.drain()

@@ -1,11 +1,15 @@
-"""Every error the router answers itself has the documented status and the OpenAI shape."""
+"""Every error the router answers itself has the documented status and the OpenAI shape.
+
+The router app runs in-process (``tests.router.inprocess``) in front of a stub worker."""
 
 from __future__ import annotations
+
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from tests.router.conftest import StartRouter
+from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,138 +37,139 @@ def assert_openai_error(resp: httpx.Response, status: int, param: str | None = N
 
 
 @pytest.fixture
-def router(stub: StubBackend, start_router: StartRouter) -> str:
-    return start_router(stub.url, config={"router": {"max_body_bytes": 4096}}).url
+async def router(engine: StubBackend) -> AsyncIterator[InProcessRouter]:
+    async with running_router(
+        engine.url, config={"router": {"limits": {"max_body_bytes": 4096}}}
+    ) as r:
+        yield r
 
 
-def test_malformed_json_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", content=b'{"model": ')
+async def test_malformed_json_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", content=b'{"model": ')
     assert_openai_error(resp, 400)
 
 
-def test_body_that_is_not_an_object_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json=["model"])
+async def test_body_that_is_not_an_object_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json=["model"])
     assert_openai_error(resp, 400)
 
 
-def test_missing_model_is_400_naming_the_param(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json={"prompt": "hi"})
+async def test_missing_model_is_400_naming_the_param(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json={"prompt": "hi"})
     assert_openai_error(resp, 400, param="model")
 
 
-def test_non_string_model_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json={"model": 7, "prompt": "hi"})
+async def test_non_string_model_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json={"model": 7, "prompt": "hi"})
     assert_openai_error(resp, 400, param="model")
 
 
-def test_missing_prompt_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json={"model": "stub-model"})
+async def test_missing_prompt_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json={"model": "stub-model"})
     assert_openai_error(resp, 400, param="prompt")
 
 
-def test_invalid_prompt_type_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": {"a": 1}})
+async def test_invalid_prompt_type_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json={"model": "stub-model", "prompt": {"a": 1}})
     assert_openai_error(resp, 400, param="prompt")
 
 
-def test_missing_messages_is_400(router: str) -> None:
-    resp = httpx.post(router + "/v1/chat/completions", json={"model": "stub-model"})
+async def test_missing_messages_is_400(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/chat/completions", json={"model": "stub-model"})
     assert_openai_error(resp, 400, param="messages")
 
 
-def test_messages_without_role_is_400(router: str) -> None:
+async def test_messages_without_role_is_400(router: InProcessRouter) -> None:
     body = {"model": "stub-model", "messages": [{"content": "hi"}]}
-    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    resp = await router.post("/v1/chat/completions", json=body)
     assert_openai_error(resp, 400, param="messages")
 
 
-def test_content_part_whose_text_is_not_a_string_is_400(router: str) -> None:
+async def test_content_part_whose_text_is_not_a_string_is_400(router: InProcessRouter) -> None:
     part = {"type": "text", "text": ["not", "a", "string"]}
     body = {"model": "stub-model", "messages": [{"role": "user", "content": [part]}]}
-    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    resp = await router.post("/v1/chat/completions", json=body)
     assert_openai_error(resp, 400, param="messages")
 
 
-def test_content_part_that_is_not_an_object_is_400(router: str) -> None:
+async def test_content_part_that_is_not_an_object_is_400(router: InProcessRouter) -> None:
     body = {"model": "stub-model", "messages": [{"role": "user", "content": ["hi"]}]}
-    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    resp = await router.post("/v1/chat/completions", json=body)
     assert_openai_error(resp, 400, param="messages")
 
 
-def test_image_part_without_text_is_accepted(router: str) -> None:
+async def test_image_part_without_text_is_accepted(router: InProcessRouter) -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     text = {"type": "text", "text": "what is this?"}
     body = {"model": "stub-model", "messages": [{"role": "user", "content": [image, text]}]}
-    resp = httpx.post(router + "/v1/chat/completions", json=body)
+    resp = await router.post("/v1/chat/completions", json=body)
     assert resp.status_code == 200, resp.text
 
 
-def test_non_boolean_stream_is_400(router: str) -> None:
+async def test_non_boolean_stream_is_400(router: InProcessRouter) -> None:
     body = {"model": "stub-model", "prompt": "hi", "stream": "yes"}
-    assert_openai_error(httpx.post(router + "/v1/completions", json=body), 400, param="stream")
+    assert_openai_error(await router.post("/v1/completions", json=body), 400, param="stream")
 
 
-def test_unknown_model_is_404(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json={"model": "nope", "prompt": "hi"})
+async def test_unknown_model_is_404(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json={"model": "nope", "prompt": "hi"})
     error = assert_openai_error(resp, 404, param="model")
     assert error["code"] == "model_not_found"
 
 
-def test_body_over_the_limit_is_413(router: str) -> None:
+async def test_body_over_the_limit_is_413(router: InProcessRouter) -> None:
     body = {"model": "stub-model", "prompt": "x" * 5000}
-    assert_openai_error(httpx.post(router + "/v1/completions", json=body), 413)
+    assert_openai_error(await router.post("/v1/completions", json=body), 413)
 
 
-def test_get_on_an_inference_route_is_405(router: str) -> None:
-    assert_openai_error(httpx.get(router + "/v1/completions"), 405)
+async def test_get_on_an_inference_route_is_405(router: InProcessRouter) -> None:
+    assert_openai_error(await router.get("/v1/completions"), 405)
 
 
-def test_unknown_path_is_404_in_openai_shape(router: str) -> None:
-    assert_openai_error(httpx.get(router + "/v2/nothing"), 404)
+async def test_unknown_path_is_404_in_openai_shape(router: InProcessRouter) -> None:
+    assert_openai_error(await router.get("/v2/nothing"), 404)
 
 
-def test_no_worker_at_all_is_503_with_retry_after(start_router: StartRouter) -> None:
-    router = start_router().url
-    resp = httpx.post(router + "/v1/completions", json={"model": "m", "prompt": "hi"})
+async def test_no_worker_at_all_is_503_with_retry_after() -> None:
+    async with running_router() as router:
+        resp = await router.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert_openai_error(resp, 503)
     assert int(resp.headers["retry-after"]) >= 1
 
 
-def test_unreachable_worker_is_502_after_retries(
-    stub: StubBackend, start_router: StartRouter
-) -> None:
+async def test_unreachable_worker_is_502_after_retries(engine: StubBackend) -> None:
     no_probes = {"balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000}}
-    router = start_router(stub.url, config=no_probes).url
-    assert httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
-    stub.stop()
-    resp = httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
+    body = {"model": "stub-model", "prompt": "hi"}
+    async with running_router(engine.url, config=no_probes) as router:
+        assert (await router.post("/v1/completions", json=body)).status_code == 200
+        await engine.close()
+        resp = await router.post("/v1/completions", json=body)
     error = assert_openai_error(resp, 502)
     assert error["code"] == "upstream_unreachable"
 
 
-def test_worker_that_never_answers_is_504(stub: StubBackend, start_router: StartRouter) -> None:
-    router = start_router(stub.url, config={"router": {"first_byte_timeout_s": 0.5}}).url
-    stub.state.hang = True
-    resp = httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
+async def test_worker_that_never_answers_is_504(engine: StubBackend) -> None:
+    engine.state.hang = True
+    config = {"router": {"timeouts": {"first_byte_s": 0.5}}}
+    async with running_router(engine.url, config=config) as r:
+        resp = await r.post("/v1/completions", json={"model": "stub-model", "prompt": "hi"})
     error = assert_openai_error(resp, 504)
     assert error["code"] == "upstream_timeout"
 
 
-def test_missing_api_key_is_401(stub: StubBackend, start_router: StartRouter) -> None:
-    router = start_router(stub.url, args=("--api-key", "sekret")).url
-    resp = httpx.post(router + "/v1/completions", json={"model": "stub-model", "prompt": "hi"})
-    assert_openai_error(resp, 401)
-    ok = httpx.post(
-        router + "/v1/completions",
-        json={"model": "stub-model", "prompt": "hi"},
-        headers={"Authorization": "Bearer sekret"},
-    )
+async def test_missing_api_key_is_401(engine: StubBackend) -> None:
+    body = {"model": "stub-model", "prompt": "hi"}
+    async with running_router(engine.url, api_key="sekret") as router:
+        assert_openai_error(await router.post("/v1/completions", json=body), 401)
+        ok = await router.post(
+            "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}
+        )
     assert ok.status_code == 200
-    assert "authorization" not in {k.lower() for k in stub.state.last_headers}
+    assert "authorization" not in {k.lower() for k in engine.state.last_headers}
 
 
-def test_admin_api_requires_the_admin_key(stub: StubBackend, start_router: StartRouter) -> None:
-    router = start_router(stub.url, args=("--admin-api-key", "adm")).url
-    assert_openai_error(httpx.get(router + "/admin/workers"), 401)
-    ok = httpx.get(router + "/admin/workers", headers={"Authorization": "Bearer adm"})
-    assert [w["url"] for w in ok.json()["workers"]] == [stub.url]
+async def test_admin_api_requires_the_admin_key(engine: StubBackend) -> None:
+    async with running_router(engine.url, admin_api_key="adm") as router:
+        assert_openai_error(await router.get("/admin/workers"), 401)
+        ok = await router.get("/admin/workers", headers={"Authorization": "Bearer adm"})
+    assert [w["url"] for w in ok.json()["workers"]] == [engine.url]

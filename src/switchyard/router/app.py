@@ -256,7 +256,8 @@ class RouterApp:
         forward_headers["x-request-id"] = request_id.decode("ascii")
         if self.worker_authorization is not None:
             forward_headers["authorization"] = self.worker_authorization
-        response = _Response(send, scope.get("extensions", {}).get(STREAM_WRITER))
+        extensions = scope.get("extensions") or {}
+        response = _Response(send, extensions.get(STREAM_WRITER))
         status, worker_id = 500, "none"
         task = asyncio.current_task()
         tenant: str | None = None
@@ -284,9 +285,12 @@ class RouterApp:
                     req, ctx, ranked, forward_headers, request_id, response, started
                 )
             assert task is not None
-            when_gone = scope["extensions"][CLIENT_GONE]
-            when_gone(functools.partial(self._on_client_gone, task, response))
-            status, worker_id = await dispatch
+            when_gone = extensions.get(CLIENT_GONE)
+            if when_gone is not None:
+                when_gone(functools.partial(self._on_client_gone, task, response))
+                status, worker_id = await dispatch
+            else:
+                status, worker_id = await self._watching_receive(dispatch, receive, task, response)
         except RouterError as exc:
             status = exc.status
             await self._send_error(response, exc, request_id)
@@ -390,6 +394,28 @@ class RouterApp:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _watching_receive(
+        self,
+        dispatch: Awaitable[tuple[int, str]],
+        receive: Receive,
+        task: asyncio.Task[Any],
+        response: _Response,
+    ) -> tuple[int, str]:
+        """``dispatch`` under a server without ``CLIENT_GONE``: a task waits for the standard
+        ``http.disconnect``, so the request is still cancelled when its client goes away."""
+        watcher = asyncio.create_task(self._await_disconnect(receive, task, response))
+        try:
+            return await dispatch
+        finally:
+            watcher.cancel()
+
+    async def _await_disconnect(
+        self, receive: Receive, task: asyncio.Task[Any], response: _Response
+    ) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # the body was read already: any further message is a stray empty chunk
+        self._on_client_gone(task, response)
 
     @staticmethod
     def _on_client_gone(task: asyncio.Task[Any], response: _Response) -> None:
