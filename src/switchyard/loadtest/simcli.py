@@ -1,4 +1,5 @@
-"""``switchyard simulate``: the command line of ``loadtest.simulate``."""
+"""``switchyard simulate`` and ``switchyard plan``: the command lines of ``loadtest.simulate``
+and ``loadtest.simplan``."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
+import click
 
-from switchyard.loadtest.cli import parse_params
+from switchyard.loadtest.cli import WORKLOADS, parse_params, require_demo_extra
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -19,202 +20,281 @@ if TYPE_CHECKING:
     from switchyard.loadtest.simplan import Objective, Plan
     from switchyard.loadtest.simulate import SimConfig
 
-Opt = typer.Option
+
+@click.command(
+    "simulate",
+    short_help="The router's own policies over thousands of simulated engines, no HTTP.",
+)
+@click.option("--engines", default=8, show_default=True, help="Simulated engines (router workers).")
+@click.option(
+    "--dp",
+    default=1,
+    show_default=True,
+    help="DP ranks per engine (the router picks the rank).",
+)
+@click.option(
+    "--prefill-engines",
+    default=0,
+    show_default=True,
+    help="P/D: this many of the engines prefill, the rest decode (0: unified).",
+)
+@click.option("--workload", default="multiturn", show_default=True, help=WORKLOADS)
+@click.option(
+    "--trace",
+    type=click.Path(path_type=Path),
+    help="Mooncake-format trace (JSONL) for --workload mooncake.",
+)
+@click.option(
+    "--policy",
+    default="kv_aware,round_robin",
+    show_default=True,
+    help="Comma list of router policies, each run on a fresh fleet.",
+)
+@click.option("--rate", type=float, help="Arrivals per second (generated workloads).")
+@click.option("--duration", type=float, help="Seconds of arrivals (generated).")
+@click.option("--max-tokens", type=int, help="Output tokens (generated).")
+@click.option(
+    "--param",
+    multiple=True,
+    help="Workload parameter KEY=VALUE, repeatable; mooncake: speedup (rate × N), "
+    "block_tokens (tokens per trace block, 512 = the trace's own), limit, start, "
+    "max_output_tokens.",
+)
+@click.option(
+    "--num-gpu-blocks",
+    default=2000,
+    show_default=True,
+    help="KV blocks per engine (16 tokens each).",
+)
+@click.option(
+    "--speed",
+    default=1.0,
+    show_default=True,
+    help="Workload seconds are wall seconds of a mock at this speed.",
+)
+@click.option("--seed", default=0, show_default=True, help="Workload, engine and policy seed.")
+@click.option("--slo-ttft-ms", default=500.0, show_default=True, help="Goodput TTFT objective, ms.")
+@click.option("--slo-tpot-ms", default=50.0, show_default=True, help="Goodput TPOT objective, ms.")
+@click.option(
+    "--mock-config",
+    type=click.Path(path_type=Path),
+    help="YAML 'mock' section for every engine (timing, limits).",
+)
+@click.option(
+    "--token-times/--no-token-times",
+    default=True,
+    show_default=True,
+    help="Keep every token's time (ITL); off saves memory on big runs.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Directory for simulate.json and the PNG plots.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="End with one JSON line of the headline figures."
+)
+def simulate_command(
+    engines: int,
+    dp: int,
+    prefill_engines: int,
+    workload: str,
+    trace: Path | None,
+    policy: str,
+    rate: float | None,
+    duration: float | None,
+    max_tokens: int | None,
+    param: tuple[str, ...],
+    num_gpu_blocks: int,
+    speed: float,
+    seed: int,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    mock_config: Path | None,
+    token_times: bool,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Replay a workload through the router's own policies over simulated engines (no HTTP)."""
+    require_demo_extra("rich", *(("matplotlib",) if out is not None else ()))
+    from switchyard.loadtest.report import wide_console
+    from switchyard.loadtest.simreport import print_table, write_reports
+    from switchyard.loadtest.simulate import SimConfig, simulate
+
+    params = parse_params(param)
+    for key, value in (("rate", rate), ("duration_s", duration), ("max_tokens", max_tokens)):
+        if value is not None:
+            params[key] = value
+    if trace is not None:
+        if workload != "mooncake":
+            raise click.BadParameter("--trace is for --workload mooncake")
+        params["trace"] = str(trace)
+    cfg = SimConfig(
+        engines=engines,
+        workload=workload,
+        workload_params=params,
+        policies=[p.strip() for p in policy.split(",") if p.strip()],
+        seed=seed,
+        num_gpu_blocks=num_gpu_blocks,
+        speed=speed,
+        dp_size=dp,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        mock_config=mock_config,
+        record_token_times=token_times,
+        prefill_engines=prefill_engines,
+    )
+    # The router's start-up notes (admin API off, ...) mean nothing without a server.
+    logging.getLogger("switchyard.router").setLevel(logging.ERROR)
+    console = wide_console()
+    try:
+        outcome = simulate(cfg)
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(str(exc)) from exc
+    print_table(outcome, console)
+    if out is not None:
+        for path in write_reports(outcome, out):
+            console.print(f"wrote {path}")
+    if as_json:
+        sys.stdout.flush()
+        print(json.dumps(outcome.headline()))
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("simulate")
-    def simulate_command(
-        engines: Annotated[int, Opt(help="Simulated engines (router workers).")] = 8,
-        dp: Annotated[int, Opt(help="DP ranks per engine (the router picks the rank).")] = 1,
-        prefill_engines: Annotated[
-            int, Opt(help="P/D: this many of the engines prefill, the rest decode (0: unified).")
-        ] = 0,
-        workload: Annotated[
-            str, Opt(help="multiturn, shared_prefix, random or mooncake.")
-        ] = "multiturn",
-        trace: Annotated[
-            Path | None, Opt(help="Mooncake-format trace (JSONL) for --workload mooncake.")
-        ] = None,
-        policy: Annotated[
-            str, Opt(help="Comma list of router policies, each run on a fresh fleet.")
-        ] = "kv_aware,round_robin",
-        rate: Annotated[
-            float | None, Opt(help="Arrivals per second (generated workloads).")
-        ] = None,
-        duration: Annotated[float | None, Opt(help="Seconds of arrivals (generated).")] = None,
-        max_tokens: Annotated[int | None, Opt(help="Output tokens (generated).")] = None,
-        param: Annotated[
-            list[str] | None,
-            Opt(
-                help="Workload parameter KEY=VALUE, repeatable; mooncake: speedup (rate × N), "
-                "block_tokens (tokens per trace block, 512 = the trace's own), limit, start, "
-                "max_output_tokens."
+@click.command(
+    "plan",
+    short_help="The fewest simulated engines that meet a TTFT/TPOT objective at a rate.",
+)
+@click.option("--rate", type=float, required=True, help="Arrivals per second to plan for.")
+@click.option("--slo-ttft-ms", default=500.0, show_default=True, help="Objective: TTFT p90, ms.")
+@click.option("--slo-tpot-ms", default=50.0, show_default=True, help="Objective: TPOT p90, ms.")
+@click.option(
+    "--workload",
+    default="multiturn",
+    show_default=True,
+    help="multiturn, shared_prefix or random.",
+)
+@click.option("--duration", default=30.0, show_default=True, help="Seconds of arrivals per probe.")
+@click.option(
+    "--policy",
+    default="kv_aware",
+    show_default=True,
+    help="Policy the engine count is searched with.",
+)
+@click.option(
+    "--compare",
+    default="kv_aware,round_robin,least_load",
+    show_default=True,
+    help="Comma list of policies compared at the size found.",
+)
+@click.option("--max-engines", default=256, show_default=True, help="Largest fleet tried.")
+@click.option("--param", multiple=True, help="Workload parameter KEY=VALUE, repeatable.")
+@click.option(
+    "--num-gpu-blocks",
+    default=2000,
+    show_default=True,
+    help="KV blocks per engine (16 tokens each).",
+)
+@click.option("--seed", default=0, show_default=True, help="Workload, engine and policy seed.")
+@click.option(
+    "--mock-config",
+    type=click.Path(path_type=Path),
+    help="YAML 'mock' section: the engines' timing model and limits.",
+)
+@click.option("--out", type=click.Path(path_type=Path), help="Directory for plan.png.")
+@click.option(
+    "--pd-engines",
+    type=int,
+    help="Instead: the best prefill:decode split (xPyD) of this many engines.",
+)
+def plan_command(
+    rate: float,
+    slo_ttft_ms: float,
+    slo_tpot_ms: float,
+    workload: str,
+    duration: float,
+    policy: str,
+    compare: str,
+    max_engines: int,
+    param: tuple[str, ...],
+    num_gpu_blocks: int,
+    seed: int,
+    mock_config: Path | None,
+    out: Path | None,
+    pd_engines: int | None,
+) -> None:
+    """The fewest simulated engines that meet a TTFT/TPOT objective at a rate, or the
+    best prefill:decode split of a given fleet (--pd-engines)."""
+    require_demo_extra("rich", *(("matplotlib",) if out is not None else ()))
+    from rich.table import Table
+
+    from switchyard.loadtest.report import wide_console
+    from switchyard.loadtest.simplan import Objective, assumptions, plan
+    from switchyard.loadtest.simulate import SimConfig
+
+    if workload == "mooncake":
+        raise click.BadParameter("plan takes generated workloads (rate and duration)")
+    params = {**parse_params(param), "rate": rate, "duration_s": duration}
+    base = SimConfig(
+        workload=workload,
+        workload_params=params,
+        seed=seed,
+        num_gpu_blocks=num_gpu_blocks,
+        mock_config=mock_config,
+        slo_ttft_ms=slo_ttft_ms,
+        slo_tpot_ms=slo_tpot_ms,
+        record_token_times=False,
+    )
+    logging.getLogger("switchyard.router").setLevel(logging.ERROR)
+    console = wide_console()
+    objective = Objective(slo_ttft_ms, slo_tpot_ms)
+    if pd_engines is not None:
+        title = (
+            f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
+            f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
+        )
+        print_split(console, base, objective, policy, pd_engines, title)
+        return
+    try:
+        result = plan(
+            base,
+            objective,
+            policy,
+            [p.strip() for p in compare.split(",") if p.strip()],
+            max_engines,
+            on_probe=lambda n, run: console.print(
+                f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
+                f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
             ),
-        ] = None,
-        num_gpu_blocks: Annotated[int, Opt(help="KV blocks per engine (16 tokens each).")] = 2000,
-        speed: Annotated[
-            float, Opt(help="Workload seconds are wall seconds of a mock at this speed.")
-        ] = 1.0,
-        seed: Annotated[int, Opt(help="Workload, engine and policy seed.")] = 0,
-        slo_ttft_ms: Annotated[float, Opt(help="Goodput TTFT objective, ms.")] = 500.0,
-        slo_tpot_ms: Annotated[float, Opt(help="Goodput TPOT objective, ms.")] = 50.0,
-        mock_config: Annotated[
-            Path | None, Opt(help="YAML 'mock' section for every engine (timing, limits).")
-        ] = None,
-        token_times: Annotated[
-            bool, Opt(help="Keep every token's time (ITL); off saves memory on big runs.")
-        ] = True,
-        out: Annotated[
-            Path | None, Opt(help="Directory for simulate.json and the PNG plots.")
-        ] = None,
-        as_json: Annotated[
-            bool, Opt("--json", help="End with one JSON line of the headline figures.")
-        ] = False,
-    ) -> None:
-        """Replay a workload through the router's own policies over simulated engines (no HTTP)."""
-        from switchyard.loadtest.report import wide_console
-        from switchyard.loadtest.simreport import print_table, write_reports
-        from switchyard.loadtest.simulate import SimConfig, simulate
-
-        params = parse_params(param)
-        for key, value in (("rate", rate), ("duration_s", duration), ("max_tokens", max_tokens)):
-            if value is not None:
-                params[key] = value
-        if trace is not None:
-            if workload != "mooncake":
-                raise typer.BadParameter("--trace is for --workload mooncake")
-            params["trace"] = str(trace)
-        cfg = SimConfig(
-            engines=engines,
-            workload=workload,
-            workload_params=params,
-            policies=[p.strip() for p in policy.split(",") if p.strip()],
-            seed=seed,
-            num_gpu_blocks=num_gpu_blocks,
-            speed=speed,
-            dp_size=dp,
-            slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms,
-            mock_config=mock_config,
-            record_token_times=token_times,
-            prefill_engines=prefill_engines,
         )
-        # The router's start-up notes (admin API off, ...) mean nothing without a server.
-        logging.getLogger("switchyard.router").setLevel(logging.ERROR)
-        console = wide_console()
-        try:
-            outcome = simulate(cfg)
-        except (ValueError, TypeError) as exc:
-            raise typer.BadParameter(str(exc)) from exc
-        print_table(outcome, console)
-        if out is not None:
-            for path in write_reports(outcome, out):
-                console.print(f"wrote {path}")
-        if as_json:
-            sys.stdout.flush()
-            print(json.dumps(outcome.headline()))
-
-
-def register_plan(app: typer.Typer) -> None:
-    @app.command("plan")
-    def plan_command(
-        rate: Annotated[float, Opt(help="Arrivals per second to plan for.")],
-        slo_ttft_ms: Annotated[float, Opt(help="Objective: TTFT p90, ms.")] = 500.0,
-        slo_tpot_ms: Annotated[float, Opt(help="Objective: TPOT p90, ms.")] = 50.0,
-        workload: Annotated[str, Opt(help="multiturn, shared_prefix or random.")] = "multiturn",
-        duration: Annotated[float, Opt(help="Seconds of arrivals per probe.")] = 30.0,
-        policy: Annotated[str, Opt(help="Policy the engine count is searched with.")] = "kv_aware",
-        compare: Annotated[
-            str, Opt(help="Comma list of policies compared at the size found.")
-        ] = "kv_aware,round_robin,least_load",
-        max_engines: Annotated[int, Opt(help="Largest fleet tried.")] = 256,
-        param: Annotated[
-            list[str] | None, Opt(help="Workload parameter KEY=VALUE, repeatable.")
-        ] = None,
-        num_gpu_blocks: Annotated[int, Opt(help="KV blocks per engine (16 tokens each).")] = 2000,
-        seed: Annotated[int, Opt(help="Workload, engine and policy seed.")] = 0,
-        mock_config: Annotated[
-            Path | None, Opt(help="YAML 'mock' section: the engines' timing model and limits.")
-        ] = None,
-        out: Annotated[Path | None, Opt(help="Directory for plan.png.")] = None,
-        pd_engines: Annotated[
-            int | None,
-            Opt(help="Instead: the best prefill:decode split (xPyD) of this many engines."),
-        ] = None,
-    ) -> None:
-        """The fewest simulated engines that meet a TTFT/TPOT objective at a rate, or the
-        best prefill:decode split of a given fleet (--pd-engines)."""
-        from rich.table import Table
-
-        from switchyard.loadtest.report import wide_console
-        from switchyard.loadtest.simplan import Objective, assumptions, plan
-        from switchyard.loadtest.simulate import SimConfig
-
-        if workload == "mooncake":
-            raise typer.BadParameter("plan takes generated workloads (rate and duration)")
-        params = {**parse_params(param), "rate": rate, "duration_s": duration}
-        base = SimConfig(
-            workload=workload,
-            workload_params=params,
-            seed=seed,
-            num_gpu_blocks=num_gpu_blocks,
-            mock_config=mock_config,
-            slo_ttft_ms=slo_ttft_ms,
-            slo_tpot_ms=slo_tpot_ms,
-            record_token_times=False,
-        )
-        logging.getLogger("switchyard.router").setLevel(logging.ERROR)
-        console = wide_console()
-        objective = Objective(slo_ttft_ms, slo_tpot_ms)
-        if pd_engines is not None:
-            title = (
-                f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
-                f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
-            )
-            print_split(console, base, objective, policy, pd_engines, title)
-            return
-        try:
-            result = plan(
-                base,
-                objective,
-                policy,
-                [p.strip() for p in compare.split(",") if p.strip()],
-                max_engines,
-                on_probe=lambda n, run: console.print(
-                    f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
-                    f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
-                ),
-            )
-        except (ValueError, TypeError) as exc:
-            raise typer.BadParameter(str(exc)) from exc
-        table = Table(
-            title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
-            f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
-        )
-        for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
-            table.add_column(col, justify="right")
-        for n, run in sorted(result.probes.items()):
-            s = run.summary
-            table.add_row(
-                str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
-                f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
-            )  # fmt: skip
-        for run in result.compared[1:]:
-            s = run.summary
-            table.add_row(
-                str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
-                f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
-                "yes" if objective.met(run) else "no",
-            )  # fmt: skip
-        console.print(table)
-        if result.engines is None:
-            console.print(f"No fleet up to {max_engines} engines meets the objective.")
-        else:
-            console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
-        console.print(f"Assumed: {assumptions(base)}")
-        if out is not None:
-            console.print(f"wrote {plot_plan(result, out)}")
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(str(exc)) from exc
+    table = Table(
+        title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
+        f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
+    )
+    for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
+        table.add_column(col, justify="right")
+    for n, run in sorted(result.probes.items()):
+        s = run.summary
+        table.add_row(
+            str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
+            f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
+        )  # fmt: skip
+    for run in result.compared[1:]:
+        s = run.summary
+        table.add_row(
+            str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
+            f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
+            "yes" if objective.met(run) else "no",
+        )  # fmt: skip
+    console.print(table)
+    if result.engines is None:
+        console.print(f"No fleet up to {max_engines} engines meets the objective.")
+    else:
+        console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
+    console.print(f"Assumed: {assumptions(base)}")
+    if out is not None:
+        console.print(f"wrote {plot_plan(result, out)}")
 
 
 def print_split(
@@ -237,7 +317,7 @@ def print_split(
             ),
         )
     except (ValueError, TypeError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        raise click.BadParameter(str(exc)) from exc
     table = Table(title=title)
     for col in ("split", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "goodput req/s", "met"):
         table.add_column(col, justify="right")

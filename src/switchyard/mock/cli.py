@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import click
-import typer
 
 from switchyard.core.cliopts import require_tokenizer, settings_command
 from switchyard.mock.settings import MockSettings
-
-Opt = typer.Option
 
 
 def command() -> click.Command:
@@ -34,44 +30,48 @@ def _run(settings: MockSettings, config: Path | None) -> None:
     run_blocking([deployment], lambda: click.echo(orjson.dumps(deployment.describe()).decode()))
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("mock-fleet")
-    def mock_fleet_command(
-        count: Annotated[int, Opt(help="Number of engines.")] = 2,
-        base_port: Annotated[int, Opt(help="First HTTP port.")] = 8100,
-        processes: Annotated[
-            int | None,
-            Opt(help="Spread the engines over K processes (default: one per 500 engines)."),
-        ] = None,
-        prefill: Annotated[int, Opt(help="How many engines are prefill role.")] = 0,
-        decode: Annotated[int, Opt(help="How many engines are decode role.")] = 0,
-        kv_events_base_port: Annotated[int | None, Opt(help="First ZMQ PUB port.")] = None,
-        config: Annotated[Path | None, Opt(help="YAML: 'mock' section for every engine.")] = None,
-        flavor: Annotated[str | None, Opt(help="vllm or sglang.")] = None,
-        model: Annotated[str | None, Opt(help="Served model name.")] = None,
-        dp_size: Annotated[int | None, Opt(help="DP ranks per engine.")] = None,
-        dp_external: Annotated[bool | None, Opt(help="One port per DP rank.")] = None,
-        num_gpu_blocks: Annotated[int | None, Opt(help="KV blocks per rank.")] = None,
-        speed: Annotated[float | None, Opt(help="Time compression factor.")] = None,
-        seed: Annotated[int | None, Opt(help="Random seed (engine i gets seed+i).")] = None,
-        kv_events_encoding: Annotated[str | None, Opt(help="array or map.")] = None,
-        spec_stdin: Annotated[bool, Opt(hidden=True)] = False,
-    ) -> None:
-        """Run many mock engines (one process or K), print a JSON description, serve forever."""
-        from switchyard.mock.fleet import plan_fleet, run_fleet, run_specs
+@click.command(
+    "mock-fleet",
+    short_help="Run many mock engines (one process or K), print a JSON description.",
+)
+@click.option("--count", default=2, show_default=True, help="Number of engines.")
+@click.option("--base-port", default=8100, show_default=True, help="First HTTP port.")
+@click.option(
+    "--processes",
+    type=int,
+    help="Spread the engines over K processes (default: one per 500 engines).",
+)
+@click.option("--prefill", default=0, show_default=True, help="How many engines are prefill role.")
+@click.option("--decode", default=0, show_default=True, help="How many engines are decode role.")
+@click.option("--kv-events-base-port", type=int, help="First ZMQ PUB port.")
+@click.option(
+    "--config", type=click.Path(path_type=Path), help="YAML: 'mock' section for every engine."
+)
+@click.option("--flavor", help="vllm or sglang.")
+@click.option("--model", help="Served model name.")
+@click.option("--dp-size", type=int, help="DP ranks per engine.")
+@click.option("--dp-external/--no-dp-external", default=None, help="One port per DP rank.")
+@click.option("--num-gpu-blocks", type=int, help="KV blocks per rank.")
+@click.option("--speed", type=float, help="Time compression factor.")
+@click.option("--seed", type=int, help="Random seed (engine i gets seed+i).")
+@click.option("--kv-events-encoding", help="array or map.")
+@click.option("--spec-stdin", is_flag=True, hidden=True)
+def fleet_command(
+    count: int,
+    base_port: int,
+    processes: int | None,
+    prefill: int,
+    decode: int,
+    kv_events_base_port: int | None,
+    config: Path | None,
+    spec_stdin: bool,
+    **flags: object,
+) -> None:
+    """Run many mock engines (one process or K), print a JSON description, serve forever."""
+    from switchyard.mock.fleet import plan_fleet, run_fleet, run_specs
 
-        if spec_stdin:
-            run_specs(sys.stdin.read())
-            return
-        flags = {
-            "flavor": flavor,
-            "model": model,
-            "dp_size": dp_size,
-            "dp_external": dp_external,
-            "num_gpu_blocks": num_gpu_blocks,
-            "speed": speed,
-            "seed": seed,
-            "kv_events_encoding": kv_events_encoding,
-        }
-        specs = plan_fleet(config, flags, count, base_port, prefill, decode, kv_events_base_port)
-        run_fleet(specs, processes)
+    if spec_stdin:
+        run_specs(sys.stdin.read())
+        return
+    specs = plan_fleet(config, flags, count, base_port, prefill, decode, kv_events_base_port)
+    run_fleet(specs, processes)
