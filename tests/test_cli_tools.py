@@ -125,3 +125,31 @@ def test_mock_fleet_hands_its_flags_to_the_fleet_planner(
         "kv_events_encoding": None,
     }
     assert ran == [([], 2)]
+
+
+def test_kubernetes_discovery_without_the_k8s_extra_says_what_to_install(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uvicorn
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: started.append(a))
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # find_spec: not installed
+    line = bad(capsys, "balancer", "--kubernetes")
+    assert line == (
+        "switchyard balancer: Kubernetes discovery needs the kubernetes client: "
+        "pip install 'switchyard[k8s]'"
+    )
+    assert started == []
+
+
+def test_the_balancer_without_kubernetes_discovery_needs_no_kubernetes_client(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import uvicorn
+
+    started: list[object] = []
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: started.append(a))
+    monkeypatch.setitem(sys.modules, "kubernetes", None)
+    assert run(["balancer"]) == 0
+    assert len(started) == 1

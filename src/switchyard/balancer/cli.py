@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from switchyard.balancer.settings import BalancerSettings
-from switchyard.core.cliopts import settings_command
+from switchyard.core.cliopts import CliError, settings_command
 
 
 def command() -> click.Command:
@@ -23,8 +23,11 @@ def command() -> click.Command:
 def _run(settings: BalancerSettings, config: Path | None) -> None:
     import uvicorn
 
+    from switchyard.balancer.k8s import missing_client
     from switchyard.balancer.service import create_app
 
+    if settings.kubernetes and (missing := missing_client()) is not None:
+        raise CliError(missing)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

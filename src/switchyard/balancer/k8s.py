@@ -9,6 +9,7 @@ the KV-events and bootstrap ports.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import threading
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("switchyard.balancer.k8s")
 
 PREFIX = "switchyard.io/"
+
+
+def missing_client() -> str | None:
+    """Why discovery cannot run, in one line, when the ``[k8s]`` extra is not installed."""
+    if importlib.util.find_spec("kubernetes") is not None:
+        return None
+    return "Kubernetes discovery needs the kubernetes client: pip install 'switchyard[k8s]'"
 
 
 def _meta(pod: dict[str, Any], key: str) -> str | None:
@@ -83,6 +91,9 @@ class KubernetesSource:
     source = "kubernetes"
 
     def __init__(self, fleet: Fleet) -> None:
+        missing = missing_client()
+        if missing is not None:
+            raise RuntimeError(missing)
         self.fleet = fleet
         self.pods: dict[str, str] = {}
         self._stop = threading.Event()
