@@ -127,17 +127,18 @@ class StubBackend:
             try:
                 await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
                 answered = answer.done() and not isinstance(answer.exception(), ConnectionError)
-                closed = gone.done() and (gone.exception() is not None or not gone.result())
+                ahead = gone.result() if gone.done() and gone.exception() is None else None
             finally:
-                answer.cancel()  # both no-ops once done
-                gone.cancel()
+                for task in (answer, gone):
+                    task.cancel()  # a no-op once done
+                await asyncio.wait({answer, gone})  # the reader is free again
             if not answered:  # the client went away before its answer was complete
                 self.state.disconnected_at.append(time.monotonic())
                 return
             answer.result()
-            carry = gone.result() if gone.done() else b""
-            if closed or headers.get("connection", "").lower() == "close":
-                return
+            if ahead == b"" or headers.get("connection", "").lower() == "close":
+                return  # closed after its answer
+            carry = ahead or b""
 
     async def _answer(
         self,

@@ -2,88 +2,71 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
+from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend
 from tests.router.test_router_errors import assert_openai_error
-from tests.support import Server, free_port, one_process
-
-pytestmark = pytest.mark.timeout(120)
 
 BODY = {"model": "stub-model", "prompt": "hi"}
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[StubBackend]:
-    backend = StubBackend().start()
-    yield backend
-    backend.stop()
+@pytest.fixture
+async def router(engine: StubBackend) -> AsyncIterator[InProcessRouter]:
+    async with running_router(engine.url) as router:
+        yield router
 
 
-def _router(engine: StubBackend, *args: str) -> Iterator[str]:
-    port = free_port()
-    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(args), *args]
-    server = Server(argv, port, health_path="/ready").start()  # ready: the model is known
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def router(engine: StubBackend) -> Iterator[str]:
-    yield from _router(engine)
-
-
-@pytest.fixture(scope="module")
-def keyed_router(engine: StubBackend) -> Iterator[str]:
+@pytest.fixture
+async def keyed_router(engine: StubBackend) -> AsyncIterator[InProcessRouter]:
     """Keys for clients, workers and admin; clients' KV-transfer fields accepted."""
-    yield from _router(
-        engine,
-        "--api-key",
-        "client-key",
-        "--worker-api-key",
-        "worker-key",
-        "--admin-api-key",
-        "admin-key",
-        "--client-kv-transfer",
-    )
+    async with running_router(
+        engine.url,
+        api_key="client-key",
+        worker_api_key="worker-key",
+        admin_api_key="admin-key",
+        client_kv_transfer=True,
+    ) as router:
+        yield router
 
 
-def test_overlong_request_id_is_replaced_not_echoed(engine: StubBackend, router: str) -> None:
+async def test_overlong_request_id_is_replaced_not_echoed(
+    engine: StubBackend, router: InProcessRouter
+) -> None:
     sent = "r" * 8190
-    resp = httpx.post(router + "/v1/completions", json=BODY, headers={"x-request-id": sent})
+    resp = await router.post("/v1/completions", json=BODY, headers={"x-request-id": sent})
     assert resp.status_code == 200
     replaced = resp.headers["x-request-id"]
     assert replaced != sent and 16 <= len(replaced) <= 128
     assert engine.state.last_headers["x-request-id"] == replaced
 
 
-def test_non_printable_request_id_is_replaced(engine: StubBackend, router: str) -> None:
+async def test_non_printable_request_id_is_replaced(
+    engine: StubBackend, router: InProcessRouter
+) -> None:
     sent = "caf\u00e9".encode("latin-1")
-    resp = httpx.post(router + "/v1/completions", json=BODY, headers=[(b"x-request-id", sent)])
+    resp = await router.post("/v1/completions", json=BODY, headers=[(b"x-request-id", sent)])
     assert resp.status_code == 200
     assert resp.headers["x-request-id"].isascii()
     assert resp.headers["x-request-id"].encode() != sent
 
 
-def test_request_id_of_128_printable_characters_is_kept(router: str) -> None:
+async def test_request_id_of_128_printable_characters_is_kept(router: InProcessRouter) -> None:
     sent = "id " + "x" * 125
-    resp = httpx.post(router + "/v1/completions", json=BODY, headers={"x-request-id": sent})
+    resp = await router.post("/v1/completions", json=BODY, headers={"x-request-id": sent})
     assert resp.headers["x-request-id"] == sent
 
 
-def test_headers_over_the_limit_are_431_in_openai_shape(router: str) -> None:
-    resp = httpx.post(router + "/v1/completions", json=BODY, headers={"x-pad": "p" * 40_000})
+async def test_headers_over_the_limit_are_431_in_openai_shape(router: InProcessRouter) -> None:
+    resp = await router.post("/v1/completions", json=BODY, headers={"x-pad": "p" * 40_000})
     error = assert_openai_error(resp, 431)
     assert error["code"] == "headers_too_large"
 
 
-def test_only_allow_listed_client_headers_reach_the_engine(
-    engine: StubBackend, router: str
+async def test_only_allow_listed_client_headers_reach_the_engine(
+    engine: StubBackend, router: InProcessRouter
 ) -> None:
     headers = {
         "authorization": "Bearer client-secret",
@@ -93,7 +76,7 @@ def test_only_allow_listed_client_headers_reach_the_engine(
         "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
         "user-agent": "spec-client/1",
     }
-    assert httpx.post(router + "/v1/completions", json=BODY, headers=headers).status_code == 200
+    assert (await router.post("/v1/completions", json=BODY, headers=headers)).status_code == 200
     seen = engine.state.last_headers
     assert seen["traceparent"] == headers["traceparent"]
     assert seen["user-agent"] == "spec-client/1"
@@ -101,9 +84,11 @@ def test_only_allow_listed_client_headers_reach_the_engine(
         assert dropped not in seen, dropped
 
 
-def test_engines_get_the_worker_key_not_the_clients(engine: StubBackend, keyed_router: str) -> None:
-    resp = httpx.post(
-        keyed_router + "/v1/completions",
+async def test_engines_get_the_worker_key_not_the_clients(
+    engine: StubBackend, keyed_router: InProcessRouter
+) -> None:
+    resp = await keyed_router.post(
+        "/v1/completions",
         json=BODY,
         headers={"authorization": "Bearer client-key"},
     )
@@ -112,18 +97,18 @@ def test_engines_get_the_worker_key_not_the_clients(engine: StubBackend, keyed_r
 
 
 @pytest.mark.parametrize("field", ["kv_transfer_params", "bootstrap_host", "bootstrap_room"])
-def test_client_kv_transfer_fields_are_refused(router: str, field: str) -> None:
+async def test_client_kv_transfer_fields_are_refused(router: InProcessRouter, field: str) -> None:
     body = {**BODY, field: {"remote_host": "10.0.0.9"} if field == "kv_transfer_params" else 1}
-    error = assert_openai_error(httpx.post(router + "/v1/completions", json=body), 400, field)
+    error = assert_openai_error(await router.post("/v1/completions", json=body), 400, field)
     assert error["code"] == "routing_field_not_allowed"
 
 
-def test_client_kv_transfer_fields_pass_when_configured(
-    engine: StubBackend, keyed_router: str
+async def test_client_kv_transfer_fields_pass_when_configured(
+    engine: StubBackend, keyed_router: InProcessRouter
 ) -> None:
     body = {**BODY, "kv_transfer_params": {"remote_host": "10.0.0.9"}}
-    resp = httpx.post(
-        keyed_router + "/v1/completions",
+    resp = await keyed_router.post(
+        "/v1/completions",
         json=body,
         headers={"authorization": "Bearer client-key"},
     )
@@ -132,26 +117,30 @@ def test_client_kv_transfer_fields_pass_when_configured(
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/docs", "/openapi.json"])
-def test_observability_is_open_without_an_admin_key(router: str, path: str) -> None:
-    assert httpx.get(router + path).status_code == 200
+async def test_observability_is_open_without_an_admin_key(
+    router: InProcessRouter, path: str
+) -> None:
+    assert (await router.get(path)).status_code == 200
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/docs", "/openapi.json"])
-def test_observability_needs_the_admin_key_once_one_is_set(keyed_router: str, path: str) -> None:
-    assert_openai_error(httpx.get(keyed_router + path), 401)
+async def test_observability_needs_the_admin_key_once_one_is_set(
+    keyed_router: InProcessRouter, path: str
+) -> None:
+    assert_openai_error(await keyed_router.get(path), 401)
     data_key = {"authorization": "Bearer client-key"}
-    assert_openai_error(httpx.get(keyed_router + path, headers=data_key), 401)
-    admin = httpx.get(keyed_router + path, headers={"authorization": "Bearer admin-key"})
+    assert_openai_error(await keyed_router.get(path, headers=data_key), 401)
+    admin = await keyed_router.get(path, headers={"authorization": "Bearer admin-key"})
     assert admin.status_code == 200
 
 
-def test_metrics_auth_api_key_accepts_a_data_key(engine: StubBackend) -> None:
-    for url in _router(engine, "--api-key", "client-key", "--metrics-auth", "api_key"):
-        assert_openai_error(httpx.get(url + "/metrics"), 401)
-        ok = httpx.get(url + "/metrics", headers={"authorization": "Bearer client-key"})
+async def test_metrics_auth_api_key_accepts_a_data_key(engine: StubBackend) -> None:
+    async with running_router(engine.url, api_key="client-key", metrics_auth="api_key") as r:
+        assert_openai_error(await r.get("/metrics"), 401)
+        ok = await r.get("/metrics", headers={"authorization": "Bearer client-key"})
         assert ok.status_code == 200
 
 
-def test_control_plane_headers_over_the_limit_are_431(router: str) -> None:
-    resp = httpx.get(router + "/health", headers={"x-pad": "p" * 40_000})
+async def test_control_plane_headers_over_the_limit_are_431(router: InProcessRouter) -> None:
+    resp = await router.get("/health", headers={"x-pad": "p" * 40_000})
     assert_openai_error(resp, 431)

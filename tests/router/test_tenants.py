@@ -3,12 +3,9 @@ and the router counts answered requests per tenant and outcome."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -17,8 +14,9 @@ from switchyard.core.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_acc
 from switchyard.router.errors import RouterError
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests, outcome_of
+from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port, one_process
+from tests.support import eventually_async
 
 
 def test_an_entry_with_a_colon_binds_its_key_to_the_tenant_before_it() -> None:
@@ -106,29 +104,24 @@ def test_answered_requests_are_counted_per_tenant_and_outcome() -> None:
 
 
 @pytest.fixture
-def tenant_router() -> Iterator[str]:
-    """A router process with two tenants' keys in front of a stub engine."""
-    engine = StubBackend().start()
-    port = free_port()
-    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--metrics-auth", "none"]
-    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(), *keys]
-    server = Server(argv, port, health_path="/ready")  # ready: the engine's model is known
-    try:
-        yield server.start().url
-    finally:
-        server.stop()
-        engine.stop()
+async def tenant_router(engine: StubBackend) -> AsyncIterator[InProcessRouter]:
+    """A router with two tenants' keys in front of a stub engine."""
+    keys = {"api_key": "team-a:key-a,team-b:key-b", "metrics_auth": "none"}
+    async with running_router(engine.url, **keys) as router:
+        yield router
 
 
-def test_the_router_counts_each_request_under_its_keys_tenant(tenant_router: str) -> None:
+async def test_the_router_counts_each_request_under_its_keys_tenant(
+    tenant_router: InProcessRouter,
+) -> None:
     body = {"model": "stub-model", "prompt": "hi"}
     statuses = []
     for key in ("key-a", "key-a", "key-b", "wrong"):
         headers = {"authorization": f"Bearer {key}"}
-        url = tenant_router + "/v1/completions"
-        statuses.append(httpx.post(url, json=body, headers=headers, timeout=30).status_code)
+        resp = await tenant_router.post("/v1/completions", json=body, headers=headers)
+        statuses.append(resp.status_code)
     assert statuses == [200, 200, 200, 401]
-    text = httpx.get(tenant_router + "/metrics", timeout=30).text
+    text = (await tenant_router.get("/metrics")).text
     assert 'switchyard_router_tenant_requests_total{outcome="ok",tenant="team-a"} 2.0' in text
     assert 'switchyard_router_tenant_requests_total{outcome="ok",tenant="team-b"} 1.0' in text
     assert (
@@ -170,38 +163,33 @@ def test_without_a_limit_a_tenant_is_never_refused() -> None:
     assert tenants.in_flight == {"team-a": 1000}
 
 
-def test_the_router_refuses_a_tenant_over_its_limit_while_serving_the_other() -> None:
+async def test_the_router_refuses_a_tenant_over_its_limit_while_serving_the_other(
+    engine: StubBackend,
+) -> None:
     """Each tenant may hold one request at once: team-a's second gets 429 while its first
     is held by a hung engine, and team-b's first still reaches the engine."""
-    engine = StubBackend().start()
     engine.state.hang = True
-    port = free_port()
-    keys = ["--api-key", "team-a:key-a,team-b:key-b", "--limits-max-in-flight-per-tenant", "1"]
-    argv = ["router", "--port", str(port), "--worker", engine.url, *one_process(), *keys]
-    server = Server(argv, port, "/ready")
-    url = server.start().url + "/v1/completions"
+    keys = {"api_key": "team-a:key-a,team-b:key-b"}
+    one_each = {"router": {"limits": {"max_in_flight_per_tenant": 1}}}
     body = {"model": "stub-model", "prompt": "hi"}
+    async with running_router(engine.url, config=one_each, **keys) as router:
 
-    def send(key: str) -> None:
-        headers = {"authorization": f"Bearer {key}"}
-        with contextlib.suppress(httpx.HTTPError):  # held until the client gives up
-            httpx.post(url, json=body, headers=headers, timeout=3)
+        def send(key: str) -> asyncio.Task[object]:
+            headers = {"authorization": f"Bearer {key}"}
+            return asyncio.create_task(router.post("/v1/completions", json=body, headers=headers))
 
-    held = [threading.Thread(target=send, args=(key,)) for key in ("key-a", "key-b")]
-    try:
-        held[0].start()
-        deadline = time.monotonic() + 30
-        while engine.state.requests < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        over = httpx.post(url, json=body, headers={"authorization": "Bearer key-a"}, timeout=30)
-        held[1].start()
-        while engine.state.requests < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert over.status_code == 429
-        assert over.json()["error"]["code"] == "tenant_concurrency_limit"
-        assert engine.state.requests == 2
-    finally:
-        for thread in held:
-            thread.join()
-        server.stop()
-        engine.stop()
+        held = [send("key-a")]
+        try:
+            await eventually_async(lambda: engine.state.requests == 1)
+            over = await router.post(
+                "/v1/completions", json=body, headers={"authorization": "Bearer key-a"}
+            )
+            held.append(send("key-b"))
+            await eventually_async(lambda: engine.state.requests == 2)
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
+    assert over.status_code == 429
+    assert over.json()["error"]["code"] == "tenant_concurrency_limit"
+    assert engine.state.requests == 2
