@@ -23,7 +23,7 @@ from tests.support import metric
 pytestmark = pytest.mark.timeout(120)
 
 BODY = {"model": "stub-model", "prompt": "hi", "max_tokens": 8}
-ONE_TRY = {"router": {"max_attempts": 1}}
+ONE_TRY = {"router": {"retry": {"max_attempts": 1}}}
 
 
 def test_stream_cut_midway_ends_with_an_upstream_error_event(
@@ -107,7 +107,12 @@ def test_a_retried_answer_teaches_the_time_of_its_own_attempt_not_the_hung_ones(
     stub2.state.chunk_interval_s = 0.001
     # A 20 tokens/s prior predicts about 0.1 s for this prompt: the hung attempt's deadline
     # is about 2.4 s, so a ratio charged with it would be over 20; the answer's own is < 10.
-    config = {"router": {"admission_prior_tokens_per_s": 20.0, "first_byte_base_s": 2.0}}
+    config = {
+        "router": {
+            "admission": {"prior_tokens_per_s": 20.0},
+            "timeouts": {"first_byte_base_s": 2.0},
+        }
+    }
     router = start_router(stub.url, stub2.url, config=config, args=("--policy", "round_robin"))
     with httpx.stream(
         "POST", router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=60

@@ -25,7 +25,7 @@ def test_rss_returns_near_baseline_and_health_answers_during_32mb_bodies(
     stub: StubBackend, start_router: StartRouter
 ) -> None:
     """The default policy (kv_aware) would turn such a prompt into millions of token ids;
-    beyond kv_max_prompt_tokens it is routed by load instead."""
+    beyond kv.max_prompt_tokens it is routed by load instead."""
     server = start_router(stub.url)
     assert server.proc is not None
     router = psutil.Process(server.proc.pid)

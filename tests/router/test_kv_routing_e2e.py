@@ -189,7 +189,7 @@ def test_admission_rejects_with_429_when_the_slo_cannot_be_met(
     router = start_router(
         *(s.url for s, _ in engines),
         args=("--policy", "kv_aware", "--tokenizer", str(TOKENIZER_DIR)),
-        config={"router": {"admission_max_wait_ms": 50}},
+        config={"router": {"admission": {"max_wait_ms": 50}}},
     ).url
     body = {**chat(1, system="Fresh context. " * 300), "stream": True}
     with httpx.stream("POST", router + "/v1/chat/completions", json=body, timeout=30) as resp:
