@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from contextlib import ExitStack
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 
 from switchyard.loadtest.prom import values
 from tests.real.conftest import ADMIN_API_KEY, MODEL
-from tests.support import Server
+from tests.support import Server, eventually
 from tools.realvllm import VllmEngine
 
 LONG = {
@@ -26,31 +27,66 @@ def engine_metric(engine_url: str, name: str, **labels: str) -> float:
 
 
 def test_vllm_metrics_become_the_workers_engine_load(router: Server) -> None:
-    # Two long streamed answers keep the engines running while the router scrapes them;
-    # the streams are closed once the router has shown the load. Many answers at once
-    # would keep the API servers so busy that they answer /metrics slower than the scrape
-    # timeout (see the next test's comment) and the router could miss the running
-    # requests; two streams leave the API servers nearly idle.
+    # The engines must still be running a request when the router next scrapes them, so
+    # the test holds the load itself: two long answers are streamed again and again until
+    # the router has shown it (a single answer can end before the first scrape). Many
+    # answers at once would keep the API servers so busy that they answer /metrics slower
+    # than the scrape timeout (see the next test's comment) and the router could miss
+    # the running requests; two streams leave the API servers nearly idle.
     admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
-    seen: list[dict] = []
-    deadline = time.monotonic() + 120
-    with httpx.Client(timeout=300) as client, ExitStack() as streams:
-        for _ in range(2):
-            answer = streams.enter_context(
-                client.stream("POST", router.url + "/v1/chat/completions", json=LONG)
-            )
-            assert answer.status_code == 200
-        while time.monotonic() < deadline and not shows_load(seen):
-            listing = client.get(router.url + "/admin/workers", headers=admin).json()
-            seen += [w["ranks"][0] for w in listing["workers"]]
-            time.sleep(0.2)
-    assert max(rank["engine_running"] or 0 for rank in seen) >= 1
-    assert max(rank["kv_usage"] or 0.0 for rank in seen) > 0
+    with StreamingLoad(router.url + "/v1/chat/completions", LONG, streams=2) as load:
+
+        def loaded_rank() -> dict:
+            load.raise_if_failed()
+            listing = httpx.get(router.url + "/admin/workers", headers=admin, timeout=30).json()
+            ranks = [rank for worker in listing["workers"] for rank in worker["ranks"]]
+            return next((rank for rank in ranks if shows_load(rank)), {})
+
+        rank = eventually(loaded_rank, timeout_s=120, interval_s=0.2, message="a loaded rank")
+    assert rank["engine_running"] >= 1
+    assert rank["kv_usage"] > 0
 
 
-def shows_load(ranks: list[dict]) -> bool:
-    running = any((rank["engine_running"] or 0) >= 1 for rank in ranks)
-    return running and any((rank["kv_usage"] or 0.0) > 0 for rank in ranks)
+def shows_load(rank: dict) -> bool:
+    """One scrape's view of a rank with a running request holding KV blocks."""
+    return (rank["engine_running"] or 0) >= 1 and (rank["kv_usage"] or 0.0) > 0
+
+
+class StreamingLoad:
+    """Keeps ``streams`` streamed requests in flight (each sent again as soon as it
+    ends) until the ``with`` block is left: load that lasts as long as the test needs it,
+    however fast the engine answers."""
+
+    def __init__(self, url: str, body: dict, streams: int) -> None:
+        self._url, self._body = url, body
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=streams)
+        self._streams = streams
+        self._runs: list[Future[None]] = []
+
+    def __enter__(self) -> StreamingLoad:
+        self._runs = [self._pool.submit(self._stream_again) for _ in range(self._streams)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        """A stream that failed stops the test with its error, not with a timeout."""
+        for run in self._runs:
+            if run.done():
+                run.result()
+
+    def _stream_again(self) -> None:
+        with httpx.Client(timeout=300) as client:
+            while not self._stop.is_set():
+                with client.stream("POST", self._url, json=self._body) as answer:
+                    assert answer.status_code == 200, answer.read()
+                    for _ in answer.iter_lines():
+                        if self._stop.is_set():
+                            return
 
 
 def settled(engine_url: str, quiet_s: float = 2.0, timeout_s: float = 120.0) -> None:
