@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -165,6 +164,34 @@ async def test_startup_calibration_learns_a_worker_s_rate(slow_engine: str) -> N
     assert model.s_per_token("a", WHOLE) == model.s_per_token("a", STREAM)
 
 
+class VirtualClock:
+    """The loop's clock for admission's waits, moved only by its sleeps: how long admission
+    waited is exact, and no test waits for it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps = 0
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        self.sleeps += 1
+        await _real_sleep(0)
+
+
+_real_sleep = asyncio.sleep
+
+
+@pytest.fixture
+async def clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    virtual = VirtualClock()
+    monkeypatch.setattr(asyncio.get_running_loop(), "time", virtual.time)
+    monkeypatch.setattr(asyncio, "sleep", virtual.sleep)
+    return virtual
+
+
 def admission(model: TTFTModel, max_wait_ms: float = 10, margin: float = 0.25) -> Admission:
     return Admission(
         model, RouterMetrics(), default_slo_ms=None, max_wait_ms=max_wait_ms, margin_ratio=margin
@@ -179,18 +206,17 @@ async def test_admits_when_one_candidate_meets_the_objective() -> None:
     assert adm.decisions.labels("admitted", "normal")._value.get() == 1
 
 
-async def test_rejects_at_once_far_beyond_the_objective() -> None:
+async def test_rejects_at_once_far_beyond_the_objective(clock: VirtualClock) -> None:
     adm = admission(trained(), max_wait_ms=2000)
     ctx = Context(model="m", prompt_tokens=10_000)
-    began = time.perf_counter()
     with pytest.raises(RouterError) as err:
         await adm.admit(ctx, [Worker("a")], objective_s=0.5)
-    assert time.perf_counter() - began < 0.1
+    assert clock.sleeps == 0
     assert err.value.status == 429 and err.value.code == "slo_unattainable"
     assert err.value.headers["retry-after"] == "10"
 
 
-async def test_waits_near_the_line_and_admits_once_the_queue_drains() -> None:
+async def test_waits_near_the_line_and_admits_once_the_queue_drains(clock: VirtualClock) -> None:
     adm = admission(trained(), max_wait_ms=2000)
     load = FakeLoad(prefill_tokens=150)
     ctx = Context(model="m", prompt_tokens=400)  # 0.55 s predicted against 0.5 s, then 0.4 s
@@ -205,22 +231,20 @@ async def test_waits_near_the_line_and_admits_once_the_queue_drains() -> None:
     assert adm.decisions.labels("admitted_after_wait", "normal")._value.get() == 1
 
 
-async def test_the_wait_counts_against_the_objective() -> None:
+async def test_the_wait_counts_against_the_objective(clock: VirtualClock) -> None:
     adm = admission(trained(), max_wait_ms=2000)
     ctx = Context(model="m", prompt_tokens=550)  # 0.55 s, never drains: over the line at 75 ms
-    began = time.perf_counter()
     with pytest.raises(RouterError):
         await adm.admit(ctx, [Worker("a")], objective_s=0.5)
-    assert 0.07 <= time.perf_counter() - began < 0.5
+    assert clock.now == pytest.approx(0.075, abs=0.011)  # within a poll of the line
 
 
-async def test_near_the_line_without_draining_rejects_after_the_wait() -> None:
+async def test_near_the_line_without_draining_rejects_after_the_wait(clock: VirtualClock) -> None:
     adm = admission(trained(), max_wait_ms=50)
     ctx = Context(model="m", prompt_tokens=550)
-    began = time.perf_counter()
     with pytest.raises(RouterError):
         await adm.admit(ctx, [Worker("a")], objective_s=0.5)
-    assert time.perf_counter() - began >= 0.05
+    assert clock.now == pytest.approx(0.05, abs=0.011)  # the whole wait, not the line
 
 
 def test_objective_by_priority() -> None:
