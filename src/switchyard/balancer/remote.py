@@ -26,6 +26,7 @@ from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.shared import set_remote
 from switchyard.balancer.view import Listener
 from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
+from switchyard.net.control import async_client
 
 log = logging.getLogger("switchyard.balancer.remote")
 
@@ -67,9 +68,7 @@ class RemoteFleet:
         if self._http is not None:
             return
         auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self._http = httpx.AsyncClient(
-            timeout=_TIMEOUT_S, limits=_LIMITS, headers=auth, trust_env=False
-        )
+        self._http = async_client(timeout=_TIMEOUT_S, limits=_LIMITS, headers=auth)
         for method, path, body, params in self._queued:
             await self._call(method, path, body, params)
         self._queued.clear()

@@ -22,6 +22,7 @@ from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.kvstore.store import KVStore
 from switchyard.kvstore.tokenize import RoutingTokenizer
 from switchyard.loadtest.prom import labels_of, totals
+from switchyard.net.control import async_client
 from switchyard.router.parity import ParityChecker, ParityResult
 
 # The load signals the balancer reads, each under the names either flavour may use.
@@ -161,7 +162,7 @@ async def diagnose(
     urls: list[str], tokenizer_dir: str | None, block_size: int, events_wait_s: float
 ) -> list[Report]:
     tokenizer = RoutingTokenizer.from_dir(tokenizer_dir) if tokenizer_dir else None
-    async with httpx.AsyncClient(trust_env=False) as client:
+    async with async_client() as client:
         return [await examine(client, u, tokenizer, block_size, events_wait_s) for u in urls]
 
 

@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from switchyard.kvstore.settings import worker_url as worker_url
+from switchyard.net.control import async_client
 
 log = logging.getLogger("switchyard.kvstore.discovery")
 
@@ -152,7 +153,7 @@ class SourceDiscovery:
         delay = self.retry_s
         while True:
             if self._client is None:
-                self._client = httpx.AsyncClient(trust_env=False)
+                self._client = async_client()
             answers = [await fetch_sources(self._client, u) for u in [url, *rank_urls]]
             if all(a is not None for a in answers):
                 # Sources of a worker are named by the worker, whichever server answered.

@@ -17,6 +17,7 @@ import orjson
 from switchyard.kvstore.index import Match
 from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.kvstore.store import LookupResult
+from switchyard.net.control import async_client
 
 log = logging.getLogger("switchyard.kvstore.remote")
 
@@ -47,8 +48,8 @@ class RemoteKVStore:
 
     async def start(self) -> None:
         if self._session is None:
-            self._session = httpx.AsyncClient(
-                limits=_LIMITS, timeout=self.timeout_s, headers=self._headers, trust_env=False
+            self._session = async_client(
+                limits=_LIMITS, timeout=self.timeout_s, headers=self._headers
             )
         try:
             async with asyncio.timeout(self.timeout_s):

@@ -49,6 +49,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from switchyard.kvstore.bpe import Encoder, fast_encoder
 from switchyard.kvstore.settings import TOKENIZE_CACHE_BYTES as CACHE_BYTES
+from switchyard.net.control import async_client, sync_client
 
 T = TypeVar("T")
 
@@ -834,7 +835,7 @@ class RoutingTokenizer:
         ids = self._cache.get(key, "engine")
         if ids is None:
             if self._client is None:
-                self._client = httpx.Client(timeout=_ENGINE_TIMEOUT_S, trust_env=False)
+                self._client = sync_client(timeout=_ENGINE_TIMEOUT_S)
             r = self._client.post(f"{self._engine_url}/tokenize", json=body)
             r.raise_for_status()
             ids = list(r.json()["tokens"])
@@ -847,7 +848,7 @@ class RoutingTokenizer:
         if ids is None:
             loop = asyncio.get_running_loop()
             if self._aclient is None or self._aclient_loop is not loop:
-                self._aclient = httpx.AsyncClient(timeout=_ENGINE_TIMEOUT_S, trust_env=False)
+                self._aclient = async_client(timeout=_ENGINE_TIMEOUT_S)
                 self._aclient_loop = loop
             r = await self._aclient.post(f"{self._engine_url}/tokenize", json=body)
             r.raise_for_status()

@@ -24,7 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import orjson
+
+from switchyard.net.errors import TransportError
+from switchyard.net.httpclient import ConnectionPool
+
+_JSON = {"content-type": "application/json"}
 
 
 class PullError(Exception):
@@ -93,30 +98,28 @@ class HeldKV:
 
 
 class KVPuller:
-    """Decode side: the HTTP calls that stand in for the KV transfer."""
+    """Decode side: the HTTP calls that stand in for the KV transfer, one POST of JSON to
+    the peer per request, through the router's own client (``switchyard.net.httpclient``)."""
 
     def __init__(self) -> None:
-        self._session: httpx.AsyncClient | None = None
-
-    def _client(self) -> httpx.AsyncClient:
-        if self._session is None or self._session.is_closed:
-            # Unbounded, as many pulls in flight as decodes; each call brings its timeout.
-            limits = httpx.Limits(
-                max_connections=None, max_keepalive_connections=None, keepalive_expiry=15.0
-            )
-            self._session = httpx.AsyncClient(limits=limits, timeout=None, trust_env=False)
-        return self._session
+        self._pool: ConnectionPool | None = None
 
     async def _post(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        if self._pool is None:  # made on the serving loop; unbounded, each call has its timeout
+            self._pool = ConnectionPool(connect_timeout_s=timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self._client().post(url, json=body)
-        except (httpx.HTTPError, TimeoutError) as exc:
+                resp = await self._pool.post(url, orjson.dumps(body), _JSON)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.close()
+        except (TransportError, TimeoutError) as exc:
             raise PullError(502, f"KV pull from {url} failed: {exc!r}") from exc
-        data: Any = resp.json() if resp.content else None
-        if resp.status_code != 200:
+        data: Any = orjson.loads(raw) if raw else None
+        if resp.status != 200:
             message = data.get("error", {}).get("message", "") if data else ""
-            raise PullError(resp.status_code, f"KV pull from {url} failed: {message}")
+            raise PullError(resp.status, f"KV pull from {url} failed: {message}")
         return data
 
     async def pull_vllm(self, params: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -137,5 +140,6 @@ class KVPuller:
         return await self._post(f"http://{host}:{port}/bootstrap/pull", body, timeout_s + 5.0)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.aclose()
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None

@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from switchyard.balancer.siblings import ProcessLock, SiblingBus
 from switchyard.kvstore.ingest import StoredTokens
 from switchyard.kvstore.store import KVStore
+from switchyard.net.control import async_client
 
 log = logging.getLogger("switchyard.router.parity")
 
@@ -357,7 +358,7 @@ class ParityMonitor:
             self._lock.release()  # for a sibling
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(trust_env=False) as client:
+        async with async_client() as client:
             while True:
                 now = time.monotonic()
                 if self._checks_here():
