@@ -2,6 +2,8 @@
 
 Same methods as the embedded store. A kvstore service that is down or slow gives the
 same answer as a Redis outage: "no information" (``degraded=True``), never an error.
+Lookups and placements are on every routed request, so they go through the router's own
+pool (``docs/decisions/0002-http-client.md``), not a general client.
 """
 
 from __future__ import annotations
@@ -11,19 +13,24 @@ import logging
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import orjson
 
 from switchyard.kvstore.index import Match
 from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.kvstore.store import LookupResult
-from switchyard.net.control import async_client
+from switchyard.net.errors import TransportError
+from switchyard.net.httpclient import ConnectionPool, Response
 
 log = logging.getLogger("switchyard.kvstore.remote")
 
 DEFAULT_BLOCK_SIZE: int = KVStoreSettings.model_fields["block_size"].default
 # Connections to the service: lookups and placements of concurrent requests go in parallel.
-_LIMITS = httpx.Limits(max_connections=64, max_keepalive_connections=64, keepalive_expiry=30.0)
+_MAX_CONNECTIONS = 64
+_KEEPALIVE_S = 30.0
+
+
+class _Refused(Exception):
+    """The service answered, but not with a 2xx."""
 
 
 class RemoteKVStore:
@@ -37,32 +44,36 @@ class RemoteKVStore:
     ) -> None:
         self.url = url.rstrip("/")
         # Sent on every call; placements and instance clears need the service's admin key.
-        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # The service's block size, from its /health; the settings default until then.
         self.block_size = block_size or DEFAULT_BLOCK_SIZE
         # Each call as a whole, waiting for a connection included.
         self.timeout_s = timeout_s
         self.degraded = False
-        self._session: httpx.AsyncClient | None = None
+        self._pool: ConnectionPool | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
-        if self._session is None:
-            self._session = async_client(
-                limits=_LIMITS, timeout=self.timeout_s, headers=self._headers
+    def _client(self) -> ConnectionPool:
+        if self._pool is None:
+            self._pool = ConnectionPool(
+                connect_timeout_s=self.timeout_s,
+                max_per_origin=_MAX_CONNECTIONS,
+                keepalive_s=_KEEPALIVE_S,
             )
+        return self._pool
+
+    async def start(self) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
-                r = await self._session.get(self.url + "/health")
-            body = orjson.loads(r.content)
+                body = orjson.loads(await _body(await self._client().get(self.url + "/health")))
             self.block_size = int(body.get("block_size", self.block_size))
-        except (httpx.HTTPError, TimeoutError, ValueError) as exc:
+        except (TransportError, TimeoutError, ValueError, _Refused) as exc:
             log.warning("kvstore %s not reachable at start: %s", self.url, exc)
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.aclose()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     def _note(self, ok: bool, exc: BaseException | None = None) -> None:
         if ok and self.degraded:
@@ -72,17 +83,12 @@ class RemoteKVStore:
         self.degraded = not ok
 
     async def _post(self, path: str, body: dict[str, Any]) -> bytes:
-        if self._session is None:
+        if self._pool is None:
             await self.start()
-        assert self._session is not None
+        headers = {"content-type": "application/json", **self._headers}
         async with asyncio.timeout(self.timeout_s):
-            r = await self._session.post(
-                self.url + path,
-                content=orjson.dumps(body),
-                headers={"content-type": "application/json"},
-            )
-        r.raise_for_status()
-        return r.content
+            answer = await self._client().post(self.url + path, orjson.dumps(body), headers)
+            return await _body(answer)
 
     async def lookup(
         self,
@@ -107,7 +113,7 @@ class RemoteKVStore:
         }
         try:
             raw = await self._post("/v1/lookup", {k: v for k, v in body.items() if v is not None})
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (TransportError, TimeoutError, _Refused) as exc:
             self._note(False, exc)
             return LookupResult(self.block_size, 0, [], [], degraded=True)
         self._note(True)
@@ -136,22 +142,20 @@ class RemoteKVStore:
         try:
             await self._post("/v1/placements", body)
             self._note(True)
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (TransportError, TimeoutError, _Refused) as exc:
             self._note(False, exc)
 
     async def clear_instance(self, instance: str, dp_rank: int | None = None) -> None:
-        if self._session is None:
+        if self._pool is None:
             await self.start()
-        assert self._session is not None
-        params = {} if dp_rank is None else {"dp_rank": str(dp_rank)}
+        url = f"{self.url}/v1/instances/{quote(instance, safe='')}"
+        if dp_rank is not None:
+            url += f"?dp_rank={dp_rank}"
         try:
             async with asyncio.timeout(self.timeout_s):
-                r = await self._session.delete(
-                    f"{self.url}/v1/instances/{quote(instance, safe='')}", params=params
-                )
-            r.raise_for_status()
+                await _body(await self._client().delete(url, self._headers))
             self._note(True)
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except (TransportError, TimeoutError, _Refused) as exc:
             self._note(False, exc)
 
     def subscribe(
@@ -166,3 +170,14 @@ class RemoteKVStore:
         raise RuntimeError(
             f"a remote kvstore subscribes itself: start it with --subscribe {instance}={endpoint}"
         )
+
+
+async def _body(answer: Response) -> bytes:
+    """The whole body of a 2xx answer; ``_Refused`` for any other status."""
+    try:
+        body = await answer.read()
+    finally:
+        answer.close()
+    if not 200 <= answer.status < 300:
+        raise _Refused(f"HTTP {answer.status}")
+    return body

@@ -397,6 +397,17 @@ class ConnectionPool:
         lines.append(b"\r\n")
         return await self._request(origin, b"".join(lines), body, timeout_s)
 
+    async def delete(
+        self, url: str, headers: dict[str, str], timeout_s: float | None = None
+    ) -> Response:
+        """DELETE ``url`` with ``headers``; the response at its head (as ``post``)."""
+        origin, host, path = _target(url)
+        lines = [b"DELETE ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: 0\r\n"]
+        for name, value in headers.items():
+            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        lines.append(b"\r\n")
+        return await self._request(origin, b"".join(lines), b"", timeout_s)
+
     async def get(self, url: str, timeout_s: float | None = None) -> Response:
         """GET ``url``; the response at its head, within ``timeout_s`` (as ``post``)."""
         origin, host, path = _target(url)
