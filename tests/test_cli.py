@@ -272,3 +272,17 @@ def test_repeated_list_flags_collect(loaded: list[object]) -> None:
     assert run(["mock", "--fault-error-codes", "503", "--fault-error-codes", "429"]) == 0
     (s,) = loaded
     assert isinstance(s, MockSettings) and s.fault_error_codes == [503, 429]
+
+
+def test_router_with_kubernetes_discovery_and_no_client_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import switchyard.router.server as server
+
+    started: list[object] = []
+    monkeypatch.setattr(server, "run", lambda *args: started.append(args))
+    monkeypatch.setattr(server, "missing_client", lambda: "needs pip install 'switchyard[k8s]'")
+    config = tmp_path / "s.yaml"
+    config.write_text("balancer:\n  kubernetes: true\n")
+    line = bad(capsys, "router", "--config", str(config), *WORKER)
+    assert "switchyard[k8s]" in line and not started

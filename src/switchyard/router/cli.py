@@ -34,7 +34,7 @@ def _run(settings: RouterSettings, config: Path | None) -> None:
 
     require_tokenizer(settings.tokenizer, "--tokenizer")
     try:
-        preflight(settings)
+        preflight(settings, config)
     except ValueError as exc:
         raise CliError(" ".join(str(exc).split())) from None
     run(settings, config)

@@ -23,6 +23,7 @@ import uvicorn
 from uvicorn.supervisors.multiprocess import Multiprocess
 
 from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.k8s import missing_client
 from switchyard.balancer.remote import RemoteFleet
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.siblings import SiblingBus, SiblingShare
@@ -108,11 +109,16 @@ def build_app(
     return RouterApp(settings, fleet, scheduler, kvstore, siblings=siblings)
 
 
-def preflight(settings: RouterSettings) -> None:
+def preflight(settings: RouterSettings, config_file: str | Path | None = None) -> None:
     """Raise ``ValueError`` (one line) for what would stop start-up, before anything binds.
 
-    The policies of every pool, the worker specs and their ``--kv-events``.
+    The policies of every pool, the worker specs and their ``--kv-events``, and an
+    embedded balancer's Kubernetes discovery without its client.
     """
+    if settings.balancer == "embedded":
+        balancer = BalancerSettings.load(config_file, redis_url=settings.redis_url)
+        if balancer.kubernetes and (missing := missing_client()) is not None:
+            raise ValueError(missing)
     build_scheduler(settings.policy, settings.policy_options, block_size=settings.kv.block_size)
     pd = settings.pd
     pools = {"prefill": pd.prefill_policy, "decode": pd.decode_policy, "encode": pd.encode_policy}
