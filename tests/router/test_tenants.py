@@ -10,7 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from switchyard.core.auth import ADMIN_TENANT, NO_TENANT, admin_access, data_access, tenant_keys
+from switchyard.core.auth import admin_access, data_access
+from switchyard.core.keys import ADMIN_TENANT, NO_TENANT, tenant_keys
 from switchyard.router.errors import RouterError
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests, outcome_of

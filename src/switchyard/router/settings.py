@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from switchyard.core.auth import tenant_keys
+from switchyard.core.keys import tenant_keys
 from switchyard.core.settings import NO_FLAG, Group, ServiceSettings
 from switchyard.kvstore.settings import zmq_endpoint
 from switchyard.router.pd.settings import PDSettings

@@ -3,7 +3,7 @@ labels each request the router answers, so one tenant's traffic and failures can
 from another's, and may hold at most ``limits.max_in_flight_per_tenant`` requests at once, so one
 tenant's flood cannot take every slot of the fleet from the others.
 
-Tenant names come only from the configuration (``switchyard.core.auth.tenant_keys``), so the
+Tenant names come only from the configuration (``switchyard.core.keys.tenant_keys``), so the
 label set is bounded; a request whose key matched none is counted under ``UNKNOWN``.
 """
 
