@@ -10,7 +10,7 @@ import pytest
 
 from switchyard.net.errors import ConnectError, InvalidURL, PayloadCut, ServerDisconnected
 from switchyard.net.httpclient import ConnectionPool
-from tests.support import free_port
+from tests.support import eventually_async, free_port
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -332,9 +332,7 @@ async def test_a_piped_stream_hands_each_piece_to_the_writer_as_it_arrives(serve
         return None
 
     piping = asyncio.ensure_future(resp.pipe(write))
-    async with asyncio.timeout(2):
-        while not pieces:
-            await asyncio.sleep(0.01)
+    await eventually_async(lambda: pieces, 2)
     assert pieces == [b"first"] and not piping.done()  # handed before the body ended
     release.set()
     async with asyncio.timeout(2):

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from tests.support import free_port
+from tests.support import eventually_async, free_port
 
 
 class StubEngine:
@@ -71,8 +71,5 @@ async def eventually(
     """Wait until ``predicate()`` holds; returns the seconds it took (fails on timeout)."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    while not predicate():
-        if loop.time() - start > timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(step)
+    await eventually_async(predicate, timeout, step)
     return loop.time() - start

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 
 import httpx
@@ -15,7 +15,7 @@ from switchyard.balancer.service import MAX_PROMPT_TOKENS, create_app
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import Outcome, WorkerSpec
 from tests.balancer.fleet_stubs import StubEngine, StubFactory
-from tests.support import Server, free_port, redis_server
+from tests.support import Server, eventually_async, free_port, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,17 +55,6 @@ async def workers(client: httpx.AsyncClient, server: Server) -> dict[str, dict]:
     return {w["id"]: w for w in resp.json()["workers"]}
 
 
-async def until(predicate: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        if await predicate():
-            return
-        if loop.time() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
-
-
 def shared(redis_url: str) -> tuple[str, ...]:
     return ("--redis", redis_url, "--sync-interval", "0.1", "--lease-seconds", "1")
 
@@ -73,7 +62,7 @@ def shared(redis_url: str) -> tuple[str, ...]:
 async def test_pick_counts_the_request_until_its_ticket_ends(stub_engine: StubFactory) -> None:
     stub = await stub_engine()
     async with balancer("--worker", stub.url) as svc, httpx.AsyncClient() as client:
-        await until(lambda: _has_models(client, svc, stub))
+        await eventually_async(lambda: _has_models(client, svc, stub), 5.0, 0.05)
         pick = (await client.post(svc.url + "/v1/pick", json={"model": "m"})).json()
         assert pick["url"] == stub.url and pick["rank"] is None and pick["ticket"]
         assert (await workers(client, svc))[stub.url]["inflight"] == 1
@@ -116,7 +105,7 @@ async def test_a_worker_added_then_drained_through_the_admin_api_is_not_picked(
         body = {"url": f"{stub.url};models=m"}
         added = await client.post(svc.url + "/admin/workers", json=body, headers=AUTH)
         assert added.status_code == 201 and added.json()["id"] == stub.url
-        await until(lambda: _has_models(client, svc, stub))
+        await eventually_async(lambda: _has_models(client, svc, stub), 5.0, 0.05)
         assert (await client.post(svc.url + "/v1/pick", json={"model": "m"})).status_code == 200
         drain = {"url": stub.url}
         await client.post(svc.url + "/admin/workers/drain", params=drain, headers=AUTH)
@@ -155,9 +144,9 @@ async def test_two_balancers_sharing_redis_see_each_others_inflight_counts(
             w = (await workers(client, b))[stub.url]
             return w["inflight"] == n and w["local_inflight"] == 0
 
-        await until(lambda: b_sees(3))
+        await eventually_async(lambda: b_sees(3), 5.0, 0.05)
         await client.post(f"{a.url}/v1/tickets/{tickets[0]}/end", json={"outcome": "success"})
-        await until(lambda: b_sees(2))
+        await eventually_async(lambda: b_sees(2), 5.0, 0.05)
         pick = (await client.post(b.url + "/v1/pick", json={"model": "m"})).json()
         ranks_a = {r["rank"]: r["inflight"] for r in (await workers(client, a))[stub.url]["ranks"]}
         assert sum(ranks_a.values()) >= 2
@@ -180,11 +169,11 @@ async def test_a_crashed_balancers_counts_expire_with_its_lease(
         async def b_sees(n: int) -> bool:
             return (await workers(client, b))[stub.url]["inflight"] == n
 
-        await until(lambda: b_sees(4))
+        await eventually_async(lambda: b_sees(4), 5.0, 0.05)
         await asyncio.to_thread(a.kill)
         loop = asyncio.get_running_loop()
         killed = loop.time()
-        await until(lambda: b_sees(0), timeout=5)
+        await eventually_async(lambda: b_sees(0), 5.0, 0.05)
         assert loop.time() - killed <= 1.0 + 1.0, "one lease (1 s) plus sync and scheduling slack"
 
 
@@ -202,11 +191,11 @@ async def test_admin_changes_reach_every_balancer_sharing_redis(
         async def listed(server: Server, present: bool) -> bool:
             return (stub.url in await workers(client, server)) is present
 
-        await until(lambda: listed(b, True))
+        await eventually_async(lambda: listed(b, True), 5.0, 0.05)
         async with balancer(*shared(redis_url)) as late:
             assert await listed(late, True), "a new replica loads admin-added workers"
         await client.delete(b.url + "/admin/workers", params={"url": stub.url}, headers=AUTH)
-        await until(lambda: listed(a, False))
+        await eventually_async(lambda: listed(a, False), 5.0, 0.05)
 
 
 async def test_remote_fleet_routes_from_the_service_and_reports_tickets(
@@ -223,11 +212,11 @@ async def test_remote_fleet_routes_from_the_service_and_reports_tickets(
             ticket = fleet.begin(worker, prompt_tokens=10, dp_rank=rank)
             fleet.first_token(ticket)
             async with httpx.AsyncClient() as client:
-                await until(lambda: _inflight(client, svc, stub.url, 1))
+                await eventually_async(lambda: _inflight(client, svc, stub.url, 1), 5.0, 0.05)
                 fleet.end(ticket, Outcome.SUCCESS)
-                await until(lambda: _inflight(client, svc, stub.url, 0))
+                await eventually_async(lambda: _inflight(client, svc, stub.url, 0), 5.0, 0.05)
                 fleet.drain(worker.id)
-                await until(lambda: _draining(client, svc, stub.url))
+                await eventually_async(lambda: _draining(client, svc, stub.url), 5.0, 0.05)
             await asyncio.sleep(0.3)
             assert fleet.candidates("m") == []
         finally:

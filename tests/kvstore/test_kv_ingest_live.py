@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -13,7 +13,7 @@ from openai import OpenAI
 from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher
-from tests.support import TOKENIZER_DIR, Server, free_port
+from tests.support import TOKENIZER_DIR, Server, eventually, eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,14 +23,6 @@ TOKENS = list(range(100, 148))  # three blocks of 16
 
 def stored(tokens: list[int], hashes: list[int], parent: int | None = None) -> KVEventBatch:
     return KVEventBatch(time.time(), [BlockStored(hashes, parent, tokens, 16)])
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def matched(store: KVStore, tokens: list[int] = TOKENS) -> int:
@@ -60,9 +52,9 @@ async def joined(store: KVStore, pub: KVEventPublisher) -> None:
         await asyncio.sleep(0.02)
         return await matched(store, probe) == 16
 
-    await eventually(seen)
+    await eventually_async(seen)
     pub.publish(KVEventBatch(time.time(), [BlockRemoved([999])]))
-    await eventually(lambda: _zero(store, probe))
+    await eventually_async(lambda: _zero(store, probe))
 
 
 async def _zero(store: KVStore, tokens: list[int]) -> bool:
@@ -81,15 +73,15 @@ async def test_published_events_update_the_index(store: KVStore, encoding: str) 
         async def three_blocks() -> bool:
             return await matched(store) == 48
 
-        await eventually(three_blocks)
+        await eventually_async(three_blocks)
         pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
 
         async def one_block() -> bool:
             return await matched(store) == 16
 
-        await eventually(one_block)
+        await eventually_async(one_block)
         pub.publish(KVEventBatch(time.time(), [AllBlocksCleared()]))
-        await eventually(lambda: _zero(store, TOKENS))
+        await eventually_async(lambda: _zero(store, TOKENS))
         assert await matched(store) == 0
     finally:
         pub.close()
@@ -108,7 +100,7 @@ async def test_lost_batches_are_recovered_by_replay(store: KVStore) -> None:
         async def all_three() -> bool:
             return await matched(store) == 48
 
-        await eventually(all_three)
+        await eventually_async(all_three)
         reg = store.metrics.registry
         assert reg.get_sample_value("switchyard_kvstore_sequence_gaps_total", {"instance": E}) == 1
         ok = {"instance": E, "outcome": "ok"}
@@ -131,7 +123,7 @@ async def test_a_store_that_joins_late_converges_on_new_prefixes(store: KVStore)
         async def fresh_found() -> bool:
             return await matched(store, fresh) == 32
 
-        await eventually(fresh_found)
+        await eventually_async(fresh_found)
         assert await matched(store) == 0
         reg = store.metrics.registry
         assert reg.get_sample_value("switchyard_kvstore_orphan_blocks_total") == 1
@@ -153,7 +145,7 @@ async def test_a_store_that_joins_late_learns_the_buffered_blocks_by_replay(
         async def two_blocks() -> bool:
             return await matched(store) == 32
 
-        await eventually(two_blocks)
+        await eventually_async(two_blocks)
         await joined(store, pub)  # live frames follow the replayed ones
         assert await matched(store) == 32
         reg = store.metrics.registry
@@ -176,14 +168,14 @@ async def test_a_gap_without_replay_clears_the_instance(store: KVStore) -> None:
         async def first() -> bool:
             return await matched(store) == 16
 
-        await eventually(first)
+        await eventually_async(first)
         pub.inject_gap(1)
         pub.publish(stored(other, [21]))
 
         async def second() -> bool:
             return await matched(store, other) == 16
 
-        await eventually(second)
+        await eventually_async(second)
         assert await matched(store) == 0
         clears = {"instance": E, "reason": "gap"}
         reg = store.metrics.registry
@@ -223,12 +215,14 @@ def test_a_chat_served_by_the_mock_engine_is_found_by_the_kvstore_service(
     with engine, store:
         client = OpenAI(base_url=engine.url + "/v1", api_key="none", max_retries=0)
         body = {"model": "mock-model", "messages": messages, "candidates": [engine.url]}
-        deadline = time.monotonic() + 15
-        found: list = []
-        while not found and time.monotonic() < deadline:
+
+        def lookup() -> dict | None:
             client.chat.completions.create(model="mock-model", messages=messages, max_tokens=2)
-            time.sleep(0.1)
+            time.sleep(0.1)  # the engine's events reach the store
             answer = httpx.post(store.url + "/v1/lookup", json=body, timeout=5).json()
-            found = answer["matches"]
-        assert found and found[0]["instance"] == engine.url
+            return answer if answer["matches"] else None
+
+        answer = eventually(lookup, 15, 0)
+        found = answer["matches"]
+        assert found[0]["instance"] == engine.url
         assert found[0]["matched_tokens"] == answer["total_tokens"] // 16 * 16

@@ -13,7 +13,7 @@ from switchyard.kvstore.registry import FleetFollower, rank_endpoint
 from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import BlockStored, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher
-from tests.support import free_port
+from tests.support import eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -40,12 +40,14 @@ async def test_a_registered_worker_is_followed_per_rank_and_forgotten_on_removal
             f"tcp://127.0.0.1:{base + 1}",
         ]
         tokens = list(range(16))
-        deadline = time.monotonic() + 5
-        matches: list = []
-        while not matches and time.monotonic() < deadline:
+
+        async def published() -> list:
+            # Published again each time: a subscriber still joining misses the first ones.
             pub1.publish(KVEventBatch(time.time(), [BlockStored([7], None, tokens, 16)]))
             await asyncio.sleep(0.05)
-            matches = (await store.lookup(None, token_ids=tokens)).matches
+            return (await store.lookup(None, token_ids=tokens)).matches
+
+        matches = await eventually_async(published, 5, 0)
         assert [(m.instance, m.dp_rank) for m in matches] == [(URL, 1)]
 
         fleet.remove(URL)

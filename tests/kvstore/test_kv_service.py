@@ -20,7 +20,7 @@ from switchyard.kvstore.remote import RemoteKVStore
 from switchyard.kvstore.service import create_app
 from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.kvstore.store import KVStore
-from tests.support import TOKENIZER_DIR, Server, free_port, redis_server
+from tests.support import TOKENIZER_DIR, Server, eventually_async, free_port, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -126,9 +126,7 @@ async def test_redis_outage_gives_degraded_answers_then_recovers(
         incidents = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(incidents) == 1
     with redis_server(port):
-        deadline = time.monotonic() + 5
-        while store.degraded and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: not store.degraded, 5, 0.05)
         await store.record_placement(keys, E)
         res = await store.lookup(None, token_ids=TOKENS)
         assert not res.degraded and res.matches[0].matched_tokens == 64
@@ -151,9 +149,7 @@ async def test_events_that_arrived_while_redis_was_down_are_in_the_index_once_it
         await store.ingest(E, removal, seq=3)
         assert store.degraded
     with redis_server(port):  # a new Redis: the outage also lost what was written before
-        deadline = time.monotonic() + 5
-        while store.degraded and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await eventually_async(lambda: not store.degraded, 5, 0.05)
         matched = {}
         for name, tokens in (("kept", kept), ("evicted", evicted), ("late", late)):
             res = await store.lookup(None, token_ids=tokens)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import httpx
 import msgpack
@@ -24,7 +23,7 @@ from switchyard.kvstore.settings import KVStoreSettings, parse_subscription
 from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import BlockStored, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher
-from tests.support import TOKENIZER_DIR, Server, free_port
+from tests.support import TOKENIZER_DIR, Server, eventually, eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,15 +36,6 @@ def stored(tokens: list[int], size: int, first_hash: int = 1) -> EventBatch:
     return EventBatch(
         time.time(), [WireStored(list(range(first_hash, first_hash + n)), None, tokens, size)]
     )
-
-
-async def until(probe: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await probe():
-            return True
-        await asyncio.sleep(0.05)
-    return False
 
 
 # -- /kv_event_sources -----------------------------------------------------------------------
@@ -115,7 +105,7 @@ async def test_a_worker_url_alone_is_enough_to_follow_its_events_and_learn_its_b
             pub.publish(KVEventBatch(time.time(), [BlockStored([1, 2], None, tokens, 32)]))
             return bool((await store.lookup(None, token_ids=tokens)).matches)
 
-        assert await until(indexed)
+        await eventually_async(indexed, 5.0, 0.05)
         assert store.block_size_of(url) == 32
         (match,) = (await store.lookup(None, token_ids=tokens)).matches
         assert (match.instance, match.matched_tokens) == (url, 64)
@@ -247,7 +237,7 @@ async def test_engines_that_connect_are_told_apart_by_their_llm_d_topic() -> Non
             pub.send_multipart(batch_frames(b"kv@10.9.9.9@llama", 0, tokens, 32))
             return bool((await store.lookup(None, token_ids=tokens)).matches)
 
-        assert await until(indexed)
+        await eventually_async(indexed, 5.0, 0.05)
         (match,) = (await store.lookup(None, token_ids=tokens)).matches
         assert match.instance == "http://127.0.0.1:8001" and match.matched_tokens == 32
         assert store.block_size_of("http://127.0.0.1:8001") == 32
@@ -333,16 +323,18 @@ def test_the_kvstore_service_given_a_worker_url_indexes_its_events() -> None:
         service = ["kvstore", "--port", str(kv_port), "--tokenizer", str(TOKENIZER_DIR)]
         with Server([*service, "--worker", engine.url], kv_port).start() as kvstore:
             messages = [{"role": "user", "content": "Tell me about harbours. " * 40}]
-            lookup: dict = {}
-            deadline = time.monotonic() + 20
-            while not lookup.get("matches") and time.monotonic() < deadline:
+
+            def matched() -> dict | None:
                 body = {"model": "m", "messages": messages, "max_tokens": 1}
                 httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=10)
-                time.sleep(0.2)
+                time.sleep(0.2)  # the engine's events reach the kvstore
                 lookup = httpx.post(
                     kvstore.url + "/v1/lookup",
                     json={"model": "m", "messages": messages, "candidates": [engine.url]},
                 ).json()
+                return lookup if lookup.get("matches") else None
+
+            lookup = eventually(matched, 20, 0)
             (match,) = lookup["matches"]
             assert lookup["block_size"] == 32 and match["instance"] == engine.url
             assert match["matched_tokens"] == lookup["total_tokens"] // 32 * 32

@@ -12,6 +12,7 @@ from switchyard.mock.engine.config import EngineConfig
 from switchyard.mock.engine.driver import RealClockEngine, make_ranks
 from switchyard.mock.engine.events import KVEventBatch
 from switchyard.mock.engine.virtual import simulate
+from tests.support import eventually_async
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -98,8 +99,7 @@ async def test_abort_by_id_ends_the_stream(engine: RealClockEngine) -> None:
             outs.append(out)
 
     task = asyncio.create_task(consume())
-    while not outs and not task.done():
-        await asyncio.sleep(0.001)
+    await eventually_async(lambda: outs or task.done(), 5, 0.001)
     engine.abort("x")
     await asyncio.wait_for(task, 5)
     assert outs[-1].finished and outs[-1].finish_reason == "abort"

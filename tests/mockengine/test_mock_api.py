@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support import Server, free_port, metric
+from tests.support import Server, eventually, free_port, metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -295,13 +295,12 @@ def test_aborted_stream_frees_its_slot_and_is_not_counted_as_finished(
             httpx.get(realtime_engine.url + "/metrics").text, "vllm:num_requests_running"
         )
         assert running == 1
-    deadline = time.monotonic() + 2.0
-    while time.monotonic() < deadline:
+
+    def idle_metrics() -> str | None:
         text = httpx.get(realtime_engine.url + "/metrics").text
-        if metric(text, "vllm:num_requests_running") == 0:
-            break
-        time.sleep(0.02)
-    assert metric(text, "vllm:num_requests_running") == 0
+        return text if metric(text, "vllm:num_requests_running") == 0 else None
+
+    text = eventually(idle_metrics, 2.0, 0.02)
     assert metric(text, "vllm:request_success_total") == before  # as vLLM 0.32
 
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, sglang_prefill, spec
-from tests.support import Server
+from tests.support import Server, eventually
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,20 +66,18 @@ def sglang_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ser
 
 def settle(url: str, name: str, value: float) -> float:
     """The metric once it reached ``value`` (the prefill frees blocks just after the pull)."""
-    deadline = time.monotonic() + 2
-    seen = metric(url, name)
-    while seen != value and time.monotonic() < deadline:
-        time.sleep(0.02)
-        seen = metric(url, name)
-    return seen
+    eventually(lambda: metric(url, name) == value, 2, 0.02, f"{name} settles at {value}")
+    return metric(url, name)
 
 
 def test_a_router_with_only_a_prefill_and_a_decode_worker_is_ready(vllm_stack) -> None:
     front = vllm_stack[0]
-    deadline = time.monotonic() + 30
-    while (resp := httpx.get(front.url + "/ready", timeout=5)).status_code != 200:
-        assert time.monotonic() < deadline, resp.text
-        time.sleep(0.2)
+
+    def ready() -> httpx.Response | None:
+        resp = httpx.get(front.url + "/ready", timeout=5)
+        return resp if resp.status_code == 200 else None
+
+    resp = eventually(ready, 30, 0.2)
     assert resp.json() == {"status": "ready", "routable_workers": 2}
 
 

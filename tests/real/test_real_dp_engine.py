@@ -15,6 +15,7 @@ import httpx
 
 from switchyard.loadtest.prom import values
 from tests.real.conftest import MODEL, reset_caches, start_router
+from tests.support import eventually
 from tools.realvllm import VllmEngine
 
 
@@ -33,14 +34,6 @@ def chat(topic: str, max_tokens: int = 1) -> dict:
 def finished_per_rank(engine: VllmEngine) -> list[float]:
     text = httpx.get(engine.url + "/metrics", timeout=10).text
     return [sum(values(text, "vllm:request_success_total", engine=str(r))) for r in (0, 1)]
-
-
-def until(check: object, timeout_s: float = 30.0) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
 
 
 def test_concurrent_requests_spread_over_both_dp_ranks(
@@ -62,9 +55,10 @@ def test_concurrent_requests_spread_over_both_dp_ranks(
 
         with ThreadPoolExecutor(len(topics)) as pool:
             assert list(pool.map(ask, topics)) == [200] * len(topics)
-    until(
+    eventually(
         lambda: all(a > b for a, b in zip(finished_per_rank(dp_engine), before, strict=True)),
         10.0,
+        0.2,
     )
 
 
@@ -104,10 +98,10 @@ def test_killing_an_engine_causes_no_client_errors(
         thread = threading.Thread(target=client)
         thread.start()
         try:
-            until(lambda: dp_engine.url in served)
+            eventually(lambda: dp_engine.url in served, 30, 0.2)
             dp_engine.kill()
             killed_at = len(statuses)
-            until(lambda: len(statuses) >= killed_at + 6)
+            eventually(lambda: len(statuses) >= killed_at + 6, 30, 0.2)
         finally:
             stop.set()
             thread.join(timeout=120)

@@ -12,7 +12,7 @@ import zmq
 
 from switchyard.loadtest.prom import values
 from tests.real.conftest import ADMIN_API_KEY, MODEL, reset_caches
-from tests.support import TOKENIZER_DIR, Server, free_port, metric
+from tests.support import TOKENIZER_DIR, Server, eventually, free_port, metric
 from tools.realvllm import BLOCK_SIZE, VllmEngine
 
 PREDICTED = "switchyard_router_predicted_cached_tokens_total"
@@ -31,14 +31,6 @@ def chat(url: str, messages: list[dict[str, str]]) -> httpx.Response:
     resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp
-
-
-def wait_for(check: object, timeout_s: float = 20.0) -> None:
-    assert callable(check)
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.2)
 
 
 def counters(router: Server) -> tuple[float, float]:
@@ -132,13 +124,13 @@ def test_a_sequence_gap_is_filled_from_vllms_replay_socket(
             talks = [conversation(t) for t in ("glaciers", "volcanoes", "deltas")]
             for n, messages in enumerate(talks, start=1):
                 chat(engine.url, messages)
-                wait_for(lambda n=n: link.seen >= n)
+                eventually(lambda n=n: link.seen >= n, 20, 0.2)
 
             def replayed() -> float:
                 text = httpx.get(kvstore.url + "/metrics", timeout=10).text
                 return sum(values(text, "switchyard_kvstore_replays_total", outcome="ok"))
 
-            wait_for(lambda: replayed() == 1)
+            eventually(lambda: replayed() == 1, 20, 0.2)
             assert matched_tokens(kvstore, engine.url, talks[1]) > 0
     finally:
         link.close()
@@ -153,7 +145,7 @@ def test_real_events_reach_a_kvstore_service(pair: list[VllmEngine], tmp_path: P
         time.sleep(1.0)  # the SUB socket joins before the engine publishes
         chat(engine.url, messages)
         cached = chat(engine.url, messages).json()["usage"]["prompt_tokens_details"]
-        wait_for(lambda: matched_tokens(kvstore, engine.url, messages) > 0)
+        eventually(lambda: matched_tokens(kvstore, engine.url, messages) > 0, 20, 0.2)
         # The engine recomputes the last prompt token, so a prompt of whole blocks reuses
         # one block less than it stored.
         matched = matched_tokens(kvstore, engine.url, messages)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from tests.support import free_port
+from tests.support import eventually, free_port
 
 _CHUNK = b'data: {"choices": [{"delta": {"content": "%s"}}]}\n\n' % (b"x" * 4000)
 
@@ -59,10 +58,7 @@ class StarletteEngine:
 
     def start(self) -> StarletteEngine:
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the engine did not start"
-            time.sleep(0.01)
+        eventually(lambda: self._server.started, 10, message="the engine did not start")
         return self
 
     def stop(self) -> None:

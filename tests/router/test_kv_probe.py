@@ -14,8 +14,7 @@ from switchyard.kvstore.store import KVStore, LookupResult
 from switchyard.kvstore.tokenize import RoutingTokenizer
 from switchyard.router.kv import EmbeddedPrefixes
 from switchyard.router.scheduler.framework import Context
-from tests.balancer.fleet_stubs import eventually
-from tests.support import TOKENIZER_DIR
+from tests.support import TOKENIZER_DIR, eventually_async
 
 WORDS = " ".join(f"word{i % 97} token{i % 13}" for i in range(4000))
 
@@ -97,7 +96,7 @@ async def processes(tmp_path: Path, stores: list[KVStore]) -> AsyncIterator[list
         await bus.start()
         await source.start()
     try:
-        await eventually(lambda: all(bus.peers == len(stores) - 1 for bus in buses))
+        await eventually_async(lambda: all(bus.peers == len(stores) - 1 for bus in buses))
         await asyncio.sleep(0.2)  # a SUB that has just connected may still be subscribing
         yield sources
     finally:
@@ -116,10 +115,10 @@ async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -
             result = await stores[1].lookup(None, token_ids=tokens, candidates=["a"])
             return sum(m.matched_tokens for m in result.matches)
 
-        deadline = asyncio.get_running_loop().time() + 3
-        while await matched_on_the_other() != 128:
-            assert asyncio.get_running_loop().time() < deadline, "placement not shared"
-            await asyncio.sleep(0.02)
+        async def shared() -> bool:
+            return await matched_on_the_other() == 128
+
+        await eventually_async(shared, 3, 0.02, "placement not shared")
 
 
 async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(
@@ -132,6 +131,6 @@ async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(
         chat = [{"role": "system", "content": WORDS[:2000]}, {"role": "user", "content": "hi"}]
         await sources[0].warm("m", {"messages": chat})
         other = stores[1].tokenizer
-        await eventually(lambda: other.uncached_chars(chat[:1]) == 0)
+        await eventually_async(lambda: other.uncached_chars(chat[:1]) == 0)
         ids, _ = await stores[1].tokenize("m", messages=chat)
         assert ids == (await stores[0].tokenize("m", messages=chat))[0]

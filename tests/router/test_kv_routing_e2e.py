@@ -10,7 +10,7 @@ import pytest
 
 from switchyard.loadtest.prom import values
 from tests.router.conftest import StartRouter
-from tests.support import TOKENIZER_DIR, Server, free_port
+from tests.support import TOKENIZER_DIR, Server, eventually, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,12 +152,12 @@ def test_without_kv_flags_events_are_discovered_and_parity_is_verified(
     assert len(set(served)) == 1 and all(c > 1000 for c in cached[1:])
     text = httpx.get(router + "/metrics", headers=ADMIN).text
     assert metric(text, "switchyard_router_kv_estimating") == 0
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+
+    def every_engine_checked() -> str | None:
         text = httpx.get(router + "/metrics", headers=ADMIN).text
-        if len(values(text, "switchyard_router_kv_parity")) == len(engines):
-            break
-        time.sleep(0.2)
+        return text if len(values(text, "switchyard_router_kv_parity")) == len(engines) else None
+
+    text = eventually(every_engine_checked, 30, 0.2)
     assert values(text, "switchyard_router_kv_parity") == [1.0] * len(engines)
     admin = httpx.get(router + "/admin/workers", headers=ADMIN)
     assert {w["kv_parity"]["reason"] for w in admin.json()["workers"]} == {"verified"}

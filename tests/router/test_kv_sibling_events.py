@@ -15,8 +15,9 @@ from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import BlockRemoved, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher
 from switchyard.router.kv import TAKE_OVER_S, EmbeddedPrefixes
-from tests.kvstore.test_kv_ingest_live import TOKENS, eventually, joined, matched, publisher, stored
+from tests.kvstore.test_kv_ingest_live import TOKENS, joined, matched, publisher, stored
 from tests.router.test_kv_probe import processes
+from tests.support import eventually_async
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +52,7 @@ async def store_three_blocks(pub: KVEventPublisher, heard_by: KVStore, seen_by: 
     ``seen_by`` indexed them."""
     await joined(heard_by, pub)
     pub.publish(stored(TOKENS, [11, 12, 13]))
-    await eventually(lambda: _matches(seen_by, 48))
+    await eventually_async(lambda: _matches(seen_by, 48))
     assert await matched(seen_by) == 48
 
 
@@ -71,7 +72,7 @@ async def test_blocks_an_engine_removed_leave_the_other_processes_index(tmp_path
     async with two_processes(tmp_path) as (pub, stores, _):
         await store_three_blocks(pub, stores[0], stores[1])
         pub.publish(KVEventBatch(time.time(), [BlockRemoved([12])]))
-        await eventually(lambda: _matches(stores[1], 16))
+        await eventually_async(lambda: _matches(stores[1], 16))
         assert await matched(stores[1]) == 16
 
 
@@ -87,7 +88,7 @@ async def test_a_process_that_starts_after_the_events_learns_what_they_said(
     try:
         await store_three_blocks(pub, stores[0], stores[0])
         async with processes(tmp_path, stores[1:]):
-            await eventually(lambda: _matches(stores[1], 48))
+            await eventually_async(lambda: _matches(stores[1], 48))
             assert stores[1].events_from_sibling
     finally:
         await first.stop()
@@ -100,7 +101,7 @@ async def test_when_the_following_process_ends_another_takes_the_events_over(
 ) -> None:
     async with two_processes(tmp_path) as (pub, stores, sources):
         await sources[0].stop()  # its process ends: the lock goes with it
-        await eventually(lambda: _following_itself(stores[1]), timeout=3 * TAKE_OVER_S)
+        await eventually_async(lambda: _following_itself(stores[1]), timeout_s=3 * TAKE_OVER_S)
         await store_three_blocks(pub, stores[1], stores[1])
         assert not stores[1].events_from_sibling
 

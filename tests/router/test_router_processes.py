@@ -18,7 +18,7 @@ from switchyard.router.kv import COUNTER_SYNC_S
 from switchyard.router.metrics import FLUSH_INTERVAL_S
 from tests.router.conftest import StartRouter
 from tests.router.stub_backend import StubBackend
-from tests.support import TOKENIZER_DIR, redis_server
+from tests.support import TOKENIZER_DIR, eventually, redis_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,12 +46,11 @@ def complete_once(base_url: str) -> str:
 def wait_all_ready(url: str, timeout_s: float = 30.0) -> None:
     """Until /ready answers 200 on 10 fresh connections in a row: /health answering means
     one process is up, not that every process has probed its workers."""
-    deadline = time.monotonic() + timeout_s
-    streak = 0
-    while streak < 10:
-        assert time.monotonic() < deadline, "router processes not all ready"
-        streak = streak + 1 if httpx.get(url + "/ready").status_code == 200 else 0
-        time.sleep(0.02)
+
+    def all_ready() -> bool:
+        return all(httpx.get(url + "/ready").status_code == 200 for _ in range(10))
+
+    eventually(all_ready, timeout_s, 0.02, "router processes not all ready")
 
 
 def test_two_processes_serve_one_port_and_sum_their_metrics(
@@ -117,13 +116,12 @@ def test_an_admin_change_reaches_every_router_sharing_redis(
         second = start_router(stub.url, args=("--redis", url, *ADMIN))
         added = httpx.post(first.url + "/admin/workers", json={"url": stub2.url}, headers=AUTH)
         assert added.status_code == 201
-        deadline = time.monotonic() + 5
-        seen: set[str] = set()
-        while stub2.url not in seen and time.monotonic() < deadline:
-            time.sleep(0.05)
+
+        def seen() -> set[str]:
             workers = httpx.get(second.url + "/admin/workers", headers=AUTH).json()["workers"]
-            seen = {w["url"] for w in workers}
-        assert stub2.url in seen
+            return {w["url"] for w in workers}
+
+        eventually(lambda: stub2.url in seen(), 5, 0.05)
 
 
 def test_a_process_that_dies_is_replaced_within_a_second(
@@ -134,13 +132,13 @@ def test_a_process_that_dies_is_replaced_within_a_second(
     wait_all_ready(router.url)
     first = router_processes(router.proc.pid)
     os.kill(first[0], signal.SIGKILL)
-    deadline = time.monotonic() + 1.5  # the supervisor looks every 0.5 s; a ping is not needed
-    while time.monotonic() < deadline:
+
+    def replaced() -> bool:
         now = router_processes(router.proc.pid)
-        if len(now) == 2 and first[0] not in now:
-            break
-        time.sleep(0.05)
-    assert first[0] not in now and len(now) == 2
+        return len(now) == 2 and first[0] not in now
+
+    # The bound is the behaviour: the supervisor looks every 0.5 s; a ping is not needed.
+    eventually(replaced, 1.5, 0.05, "the killed process was not replaced")
     wait_all_ready(router.url)
     assert complete_once(router.url) == "cmpl-stub"
 

@@ -17,7 +17,7 @@ from aiohttp import web
 from switchyard.router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
 from switchyard.router.settings import RouterSettings, Timeouts
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port, one_process
+from tests.support import Server, eventually, free_port, one_process
 
 StartRouter = Callable[..., Server]
 
@@ -71,13 +71,6 @@ class InFlight:
         return self.result
 
 
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
-
-
 def terminate(router: Server, *, group: bool = False) -> float:
     """SIGTERM the router; returns when it was sent."""
     assert router.proc is not None
@@ -100,7 +93,7 @@ def test_a_held_request_ends_in_503_shutting_down_and_the_router_exits_in_time(
     stub.state.hang = True
     router = start_router(stub.url, "--timeouts-shutdown-s", "1")
     held = InFlight(router.url)
-    wait_for(lambda: stub.state.requests == 1)
+    eventually(lambda: stub.state.requests == 1, 30)
     sent = terminate(router)
     exited = exit_time(router)
     assert exited - sent < 1 + 5
@@ -123,7 +116,7 @@ def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
     ).start()
     try:
         held = InFlight(router.url)
-        wait_for(lambda: backend.state.requests == 1)
+        eventually(lambda: backend.state.requests == 1, 30)
         sent = terminate(router)
         result = held.wait()
         assert isinstance(result, httpx.Response), result
@@ -138,7 +131,7 @@ def test_ready_goes_false_while_the_router_drains(
     start_router: StartRouter, stub: StubBackend
 ) -> None:
     router = start_router(stub.url, "--timeouts-drain-s", "6")
-    wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200, 30)
     terminate(router)
     ready = httpx.get(router.url + "/ready", timeout=5)
     assert ready.status_code == 503
@@ -158,7 +151,7 @@ def test_several_processes_exit_within_the_shutdown_timeout_answering_503(
         stub.url, "--processes", "2", "--timeouts-shutdown-s", "1", own_group=True
     )
     held = InFlight(router.url)
-    wait_for(lambda: stub.state.requests == 1)
+    eventually(lambda: stub.state.requests == 1, 30)
     sent = terminate(router, group=True)
     assert exit_time(router) - sent < 1 + 10
     result = held.wait()
@@ -180,7 +173,7 @@ def test_several_processes_answer_ready_503_while_they_drain(
     """SIGTERM to the parent only (as Kubernetes sends it): it passes the signal on, and
     every process answers /ready 503 through the drain while still serving requests."""
     router = start_router(stub.url, "--processes", "2", "--timeouts-drain-s", "10", own_group=True)
-    wait_for(lambda: httpx.get(router.url + "/ready").status_code == 200)
+    eventually(lambda: httpx.get(router.url + "/ready").status_code == 200, 30)
     terminate(router)
     time.sleep(1.0)  # the parent passes signals on every 0.5 s
     assert [_ready_status(router.url) for _ in range(6)] == [503] * 6
