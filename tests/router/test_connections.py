@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.router.stub_backend import StubBackend
-from tests.support import Server, free_port, one_process
+from tests.support import Server, eventually, free_port, one_process
 
 StartRouter = Callable[..., Server]
 
@@ -119,10 +119,13 @@ def test_over_the_connection_cap_requests_get_503_too_many_connections(
     assert b"x-switchyard-worker: none" in head.lower()
     assert orjson.loads(body)["error"]["code"] == "too_many_connections"
     held[0].close()
-    time.sleep(0.2)
-    again = connect(router.port)
-    again.sendall(health_request())
-    assert again.recv(65536).startswith(b"HTTP/1.1 200")
+
+    def answered() -> bool:  # once the router has seen the close
+        again = connect(router.port)
+        again.sendall(health_request())
+        return again.recv(65536).startswith(b"HTTP/1.1 200")
+
+    eventually(answered, 5, 0.05)
 
 
 def test_a_head_growing_past_the_header_cap_is_refused_431_before_it_ends(
