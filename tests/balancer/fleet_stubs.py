@@ -1,12 +1,11 @@
-"""Stub engines for balancer tests: real aiohttp servers on 127.0.0.1 whose answers we control."""
+"""Stub engines for balancer tests: stub servers on 127.0.0.1 whose answers we control."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from aiohttp import web
-
+from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.support import eventually_async, free_port
 
 
@@ -27,39 +26,43 @@ class StubEngine:
         self.work_delay = 0.0
         self.hits = 0
         self.probes = 0
-        self._runner: web.AppRunner | None = None
+        self._server = StubBackend(self._route, self.port)
+        self._routes = {
+            "/health": self._health,
+            "/v1/models": self._models,
+            "/metrics": self._metrics,
+            "/work": self._work,
+        }
 
-    async def _health(self, _: web.Request) -> web.Response:
+    async def _route(self, request: StubRequest) -> StubReply:
+        handler = self._routes.get(request.path) if request.method == "GET" else None
+        if handler is None:
+            return StubReply.text("Not Found", 404)
+        return await handler(request)
+
+    async def _health(self, _: StubRequest) -> StubReply:
         self.probes += 1
-        return web.Response(status=self.health_status, text="ok")
+        return StubReply.text("ok", self.health_status)
 
-    async def _models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": m} for m in self.models]})
+    async def _models(self, _: StubRequest) -> StubReply:
+        return StubReply.json({"object": "list", "data": [{"id": m} for m in self.models]})
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(text=self.metrics, content_type="text/plain")
+    async def _metrics(self, _: StubRequest) -> StubReply:
+        return StubReply.text(self.metrics)
 
-    async def _work(self, _: web.Request) -> web.Response:
+    async def _work(self, _: StubRequest) -> StubReply:
         self.hits += 1
         if self.work_delay:
             await asyncio.sleep(self.work_delay)
-        return web.Response(status=self.work_status, text="done")
+        return StubReply.text("done", self.work_status)
 
     async def start(self) -> StubEngine:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/work", self._work)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
+        await self._server.open()
         return self
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        """Close the listener and every connection; safe to call twice."""
+        await self._server.close()
 
 
 StubFactory = Callable[..., Awaitable[StubEngine]]

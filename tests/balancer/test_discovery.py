@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.k8s import pod_spec
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import Outcome, Role
 from tests.balancer.fleet_stubs import StubFactory, eventually
-from tests.support import free_port
+from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -94,14 +93,16 @@ class KubeStub:
     """Just enough of the Kubernetes API: list and watch pods in a namespace by label selector."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.pods: dict[str, dict[str, Any]] = {}
         self.version = 1
         self.history: list[tuple[int, str, dict[str, Any]]] = []
         self.changed = asyncio.Condition()
         self.watches = 0
-        self._runner: web.AppRunner | None = None
+        self._server = StubBackend(self._pods)
+
+    @property
+    def url(self) -> str:
+        return self._server.url
 
     @staticmethod
     def _selected(pod: dict[str, Any], selector: str) -> bool:
@@ -127,11 +128,15 @@ class KubeStub:
     async def delete(self, name: str) -> None:
         await self.put(name, self.pods[name], "DELETED")
 
-    async def _pods(self, request: web.Request) -> web.StreamResponse:
+    async def _pods(self, request: StubRequest) -> StubReply:
+        if request.method != "GET" or not (
+            request.path.startswith("/api/v1/namespaces/") and request.path.endswith("/pods")
+        ):
+            return StubReply.json({"kind": "Status", "code": 404}, 404)
         selector = request.query.get("labelSelector", "")
         if request.query.get("watch") not in ("true", "1", "True"):
             items = [p for p in self.pods.values() if self._selected(p, selector)]
-            return web.json_response(
+            return StubReply.json(
                 {
                     "kind": "PodList",
                     "apiVersion": "v1",
@@ -142,34 +147,31 @@ class KubeStub:
         self.watches += 1
         since = int(request.query.get("resourceVersion") or 0)
         timeout = float(request.query.get("timeoutSeconds") or 30)
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
+        return StubReply(
+            content_type="application/json", stream=self._events(since, selector, timeout)
+        )
+
+    async def _events(self, since: int, selector: str, timeout: float) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
             for version, kind, pod in self.history:
                 if version > since and self._selected(pod, selector):
                     line = json.dumps({"type": kind, "object": pod}) + "\n"
-                    await resp.write(line.encode())
+                    yield line.encode()
                     since = version
             async with self.changed:
                 try:
                     await asyncio.wait_for(self.changed.wait(), deadline - loop.time())
                 except TimeoutError:
                     break
-        return resp
 
     async def start(self) -> KubeStub:
-        app = web.Application()
-        app.router.add_get("/api/v1/namespaces/{ns}/pods", self._pods)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await self._server.open()
         return self
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._server.close()
 
 
 def pod(name: str, port: int, *, ready: bool = True, **annotations: str) -> dict[str, Any]:

@@ -7,13 +7,13 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import web
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.probe import busy, stretched
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.worker import EngineSample, Outcome, Worker, WorkerSpec
 from tests.balancer.fleet_stubs import StubEngine, eventually
+from tests.router.stub_backend import StubReply, StubRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,11 +29,11 @@ class CountingStub(StubEngine):
         self.scraped_at: list[float] = []
         self.health_delay_s = health_delay_s
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def _health(self, request: StubRequest) -> StubReply:
         await asyncio.sleep(self.health_delay_s)
         return await super()._health(request)
 
-    async def _metrics(self, request: web.Request) -> web.Response:
+    async def _metrics(self, request: StubRequest) -> StubReply:
         self.scrapes += 1
         self.scraped_at.append(time.monotonic())
         return await super()._metrics(request)

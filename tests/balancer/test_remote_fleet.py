@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from aiohttp import web
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.remote import RemoteFleet
@@ -14,7 +13,7 @@ from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Worker, WorkerSpec
 from tests.balancer.fleet_stubs import StubFactory, eventually
-from tests.support import free_port
+from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,29 +22,25 @@ class StubService:
     """A balancer service that lists ``listed`` and records every call it gets."""
 
     def __init__(self) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
         self.listed: list[Worker] = []
         self.calls: list[tuple[str, str, dict[str, str]]] = []
-        self._runner: web.AppRunner | None = None
+        self._server = StubBackend(self._route)
 
-    async def _workers(self, _: web.Request) -> web.Response:
-        return web.json_response({"workers": [w.describe() for w in self.listed]})
+    @property
+    def url(self) -> str:
+        return self._server.url
 
-    async def _record(self, request: web.Request) -> web.Response:
-        self.calls.append((request.method, request.path, dict(request.query)))
-        return web.json_response({})
+    async def _route(self, request: StubRequest) -> StubReply:
+        if request.method == "GET" and request.path == "/v1/workers":
+            return StubReply.json({"workers": [w.describe() for w in self.listed]})
+        self.calls.append((request.method, request.path, request.query))
+        return StubReply.json({})
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/v1/workers", self._workers)
-        app.router.add_route("*", "/{tail:.*}", self._record)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", int(self.url.rsplit(":", 1)[1])).start()
+        await self._server.open()
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
+        await self._server.close()
 
 
 @pytest.fixture

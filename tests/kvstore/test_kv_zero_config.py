@@ -10,7 +10,6 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from aiohttp import web
 from fastapi.testclient import TestClient
 
 from switchyard.cli.main import run
@@ -23,6 +22,7 @@ from switchyard.kvstore.settings import KVStoreSettings, parse_subscription
 from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import BlockStored, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher
+from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.support import TOKENIZER_DIR, Server, eventually, eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -75,17 +75,21 @@ def test_ipv6_wildcards_become_the_workers_host() -> None:
     assert reachable("tcp://0.0.0.0:5557", A) == "tcp://127.0.0.1:5557"
 
 
-async def serve_sources(body: object, status: int = 200) -> tuple[web.AppRunner, str]:
-    async def handler(_: web.Request) -> web.Response:
-        return web.json_response(body, status=status)
+def sources_engine(body: object, status: int = 200, port: int = 0) -> StubBackend:
+    """An engine answering ``GET /kv_event_sources`` with ``body``; not yet listening."""
 
-    app = web.Application()
-    app.router.add_get("/kv_event_sources", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner, f"http://127.0.0.1:{port}"
+    async def route(request: StubRequest) -> StubReply | None:
+        if request.method == "GET" and request.path == "/kv_event_sources":
+            return StubReply.json(body, status)
+        return None
+
+    return StubBackend(route, port)
+
+
+async def serve_sources(body: object, status: int = 200) -> tuple[StubBackend, str]:
+    engine = sources_engine(body, status)
+    await engine.open()
+    return engine, engine.url
 
 
 async def test_a_worker_url_alone_is_enough_to_follow_its_events_and_learn_its_block_size() -> None:
@@ -112,7 +116,7 @@ async def test_a_worker_url_alone_is_enough_to_follow_its_events_and_learn_its_b
     finally:
         pub.close()
         await store.stop()
-        await runner.cleanup()
+        await runner.close()
 
 
 async def test_a_worker_that_is_not_up_yet_is_asked_again() -> None:
@@ -122,25 +126,16 @@ async def test_a_worker_that_is_not_up_yet_is_asked_again() -> None:
     follower = store.follow_workers([url])
     follower.discovery.retry_s = 0.05
     await store.start()
-    runner: web.AppRunner | None = None
+    engine = sources_engine({"0": {"publisher": "zmq", "endpoint": "tcp://*:5999"}}, port=port)
     try:
         await asyncio.sleep(0.2)
         assert url not in follower.endpoints
-        app = web.Application()
-
-        async def handler(_: web.Request) -> web.Response:
-            return web.json_response({"0": {"publisher": "zmq", "endpoint": "tcp://*:5999"}})
-
-        app.router.add_get("/kv_event_sources", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await engine.open()
         await asyncio.wait_for(follower.wait(), 5)
         assert follower.endpoints[url] == ["tcp://127.0.0.1:5999"]
     finally:
         await store.stop()
-        if runner is not None:
-            await runner.cleanup()
+        await engine.close()
 
 
 async def test_an_engine_without_the_route_is_left_to_approximate_mode() -> None:
@@ -153,7 +148,7 @@ async def test_an_engine_without_the_route_is_left_to_approximate_mode() -> None
         assert follower.endpoints == {} and store.feeds() == []
     finally:
         await store.stop()
-        await runner.cleanup()
+        await runner.close()
 
 
 # -- block sizes -----------------------------------------------------------------------------

@@ -6,6 +6,11 @@ timestamp when the router closed a connection. It runs in the test's own event l
 (``async with StubBackend() as stub``), so a router app tested in-process reaches it
 over loopback with no thread, or in a thread of its own (``start``/``stop``) for tests
 whose router is a process and whose test body blocks.
+
+A ``route`` makes it any other HTTP peer a test needs (an engine's health and metrics, a
+Kubernetes API, a balancer service): it answers the requests it knows and leaves the rest,
+by returning None, to the scripted answers. Closed, the stub refuses connections; opened
+again, it listens on the same port, as a restarted engine does.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import contextlib
 import http
 import threading
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote
 
 import orjson
 
@@ -36,6 +44,37 @@ class StubState:
     disconnected_at: list[float] = field(default_factory=list)
 
 
+@dataclass
+class StubRequest:
+    method: str
+    path: str  # decoded, without the query
+    query: dict[str, str]
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+@dataclass
+class StubReply:
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "text/plain"
+    stream: AsyncIterator[bytes] | None = None  # sent chunked, instead of ``body``
+
+    @classmethod
+    def json(cls, value: object, status: int = 200) -> StubReply:
+        return cls(status, orjson.dumps(value), "application/json")
+
+    @classmethod
+    def text(cls, text: str, status: int = 200) -> StubReply:
+        return cls(status, text.encode())
+
+
+Route = Callable[[StubRequest], Awaitable[StubReply | None]]
+"""A test's own answers; None leaves a request to the scripted ones."""
+
 _COMPLETIONS = {"/v1/completions", "/v1/chat/completions", "/v1/embeddings"}
 
 
@@ -44,10 +83,11 @@ class _Cut(Exception):
 
 
 class StubBackend:
-    def __init__(self) -> None:
+    def __init__(self, route: Route | None = None, port: int = 0) -> None:
         self.state = StubState()
-        self.port = 0
-        self.url = ""
+        self.route = route
+        self.port = port  # 0 until first opened, then the same port on every reopening
+        self.url = f"http://127.0.0.1:{port}" if port else ""
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -63,7 +103,7 @@ class StubBackend:
         await self.close()
 
     async def open(self) -> None:
-        self._server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -115,14 +155,18 @@ class StubBackend:
         while True:
             head = carry + await reader.readuntil(b"\r\n\r\n")
             request_line, *lines = head.decode("latin-1").split("\r\n")
-            method, path, _ = request_line.split(" ", 2)
+            method, target, _ = request_line.split(" ", 2)
+            path, _, query = target.partition("?")
             headers = {}
             for line in lines:
                 if line:
                     name, _, value = line.partition(":")
                     headers[name.strip().lower()] = value.strip()
             body = await reader.readexactly(int(headers.get("content-length", "0")))
-            answer = asyncio.create_task(self._answer(method, path, headers, body, writer))
+            request = StubRequest(
+                method, unquote(path), dict(parse_qsl(query, keep_blank_values=True)), headers, body
+            )
+            answer = asyncio.create_task(self._answer(request, writer))
             gone = asyncio.create_task(reader.read(1))
             try:
                 await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -140,14 +184,12 @@ class StubBackend:
                 return  # closed after its answer
             carry = ahead or b""
 
-    async def _answer(
-        self,
-        method: str,
-        path: str,
-        headers: dict[str, str],
-        body: bytes,
-        out: asyncio.StreamWriter,
-    ) -> None:
+    async def _answer(self, request: StubRequest, out: asyncio.StreamWriter) -> None:
+        if self.route is not None:
+            reply = await self.route(request)
+            if reply is not None:
+                return await _send_reply(out, reply)
+        method, path, headers, body = request.method, request.path, request.headers, request.body
         s = self.state
         if method == "GET" and path == "/health":
             return await _send_json(out, 200, {"status": "ok"})
@@ -165,9 +207,9 @@ class StubBackend:
         if s.status != 200:
             error = {"message": "stub failure", "type": "server_error", "code": s.status}
             return await _send_json(out, s.status, {"error": error})
-        request = orjson.loads(body)
-        if not request.get("stream"):
-            answer = {"id": "cmpl-stub", "object": "text_completion", "echo": request}
+        sent = orjson.loads(body)
+        if not sent.get("stream"):
+            answer = {"id": "cmpl-stub", "object": "text_completion", "echo": sent}
             if s.cut_after_chunks is None:
                 return await _send_json(out, 200, answer)
             payload = orjson.dumps(answer)  # announced whole, half sent, then cut
@@ -200,3 +242,17 @@ async def _send_json(out: asyncio.StreamWriter, status: int, value: object) -> N
     out.write(_head(status, "application/json", len(payload)) + payload)
     with contextlib.suppress(ConnectionError):
         await out.drain()
+
+
+async def _send_reply(out: asyncio.StreamWriter, reply: StubReply) -> None:
+    if reply.stream is None:
+        out.write(_head(reply.status, reply.content_type, len(reply.body)) + reply.body)
+        await out.drain()
+        return
+    out.write(_head(reply.status, reply.content_type, None))
+    async for piece in reply.stream:
+        if piece:  # an empty chunk would end the body
+            out.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await out.drain()
+    out.write(b"0\r\n\r\n")
+    await out.drain()

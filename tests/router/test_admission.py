@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
-from aiohttp import web
 
 from switchyard.balancer.worker import EngineSample
 from switchyard.net.httpclient import ConnectionPool
@@ -16,8 +15,8 @@ from switchyard.router.admission import STREAM, WHOLE, Admission, TTFTModel, cal
 from switchyard.router.errors import RouterError
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.scheduler.framework import Context
+from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.router.test_kv_scheduling import FakeLoad, FakeWorker
-from tests.support import free_port
 
 
 @dataclass
@@ -130,19 +129,15 @@ def test_calibration_fits_overhead_and_slope() -> None:
 async def slow_engine() -> AsyncIterator[str]:
     """Answers a completion after 10 ms plus 1 ms per 100 prompt characters."""
 
-    async def completion(request: web.Request) -> web.Response:
-        body = await request.json()
+    async def completion(request: StubRequest) -> StubReply | None:
+        if request.method != "POST" or request.path != "/v1/completions":
+            return None
+        body = request.json()
         await asyncio.sleep(0.01 + len(body["prompt"]) / 100 * 1e-3)
-        return web.json_response({"choices": [{"text": "x"}]})
+        return StubReply.json({"choices": [{"text": "x"}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completion)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with StubBackend(completion) as engine:
+        yield engine.url
 
 
 class OneWorkerFleet:

@@ -3,7 +3,6 @@ within the shutdown timeout, and the router exits."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import threading
@@ -12,7 +11,6 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from aiohttp import web
 
 from switchyard.router.server import EXIT_RESERVE_S, SUPERVISOR_RESERVE_S, graceful_window_s
 from switchyard.router.settings import RouterSettings, Timeouts
@@ -20,18 +18,6 @@ from tests.router.stub_backend import StubBackend
 from tests.support import Server, eventually, free_port, one_process
 
 StartRouter = Callable[..., Server]
-
-
-class SlowBackend(StubBackend):
-    """Answers every completion after ``delay_s``."""
-
-    delay_s = 1.5
-
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        self.state.requests += 1
-        await request.read()
-        await asyncio.sleep(self.delay_s)
-        return web.json_response({"id": "cmpl-slow", "object": "text_completion"})
 
 
 @pytest.fixture
@@ -106,7 +92,9 @@ def test_a_held_request_ends_in_503_shutting_down_and_the_router_exits_in_time(
 
 
 def test_an_in_flight_request_within_the_timeout_is_answered() -> None:
-    backend = SlowBackend().start()
+    backend = StubBackend()
+    backend.state.delay_s = 1.5  # the router's SIGTERM arrives while it waits
+    backend.start()
     port = free_port()
     router = Server(
         ["router", "--port", str(port), "--worker", backend.url, *one_process()]
