@@ -7,7 +7,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, spec, vllm_pair
+from tests.pd.support_pd import LONG_PROMPT, MODEL, metric, mock, router, spec
+from tests.pd.support_pd import process_vllm_pair as vllm_pair
 from tests.support import TOKENIZER_DIR
 
 pytestmark = pytest.mark.timeout(60)

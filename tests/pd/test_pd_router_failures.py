@@ -16,7 +16,9 @@ from tests.pd.support_pd import (
     router,
     sglang_prefill,
     spec,
-    vllm_pair,
+)
+from tests.pd.support_pd import (
+    process_vllm_pair as vllm_pair,
 )
 from tests.support import Server, eventually, free_port
 
