@@ -13,13 +13,11 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import uvicorn
-import yaml
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from switchyard.loadtest.prom import values
@@ -28,7 +26,7 @@ from switchyard.mock.serve import build
 from switchyard.mock.settings import MockSettings
 from switchyard.mock.tokenizer import ModelTokenizer
 from tests.router.inprocess import BASE_URL, InProcessRouter, running_router
-from tests.support import Server, eventually_async, free_port, one_process
+from tests.support import eventually_async, free_port
 
 MODEL = "mock-model"
 LONG_PROMPT = "disaggregated prefill across the fleet " * 20
@@ -122,7 +120,7 @@ async def running_mock(*, speed: float = 20, **settings: Any) -> AsyncIterator[M
                 loop="none",
                 lifespan="off",
                 log_level="warning",
-                timeout_graceful_shutdown=5,  # a ceiling: the router closed its connections
+                timeout_graceful_shutdown=0,  # the router is gone: what is left was abandoned
             )
         )
         for e in deployment.endpoints
@@ -159,6 +157,13 @@ class PDRouter:
     async def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
         return sum(values((await self.router.get("/metrics")).text, name, **labels))
+
+    async def placed(self) -> None:
+        """Until the placements the router records once an answer started are in: a next
+        turn sent at once would otherwise overtake them, as a client's round trip does not."""
+        kv = self.app.kv
+        if kv is not None:
+            await asyncio.gather(*list(kv._pending))
 
 
 def _worker(w: Mock | str) -> str:
@@ -209,64 +214,3 @@ async def vllm_pair(
         pd_router("vllm", prefill=[p], decode=[d], pd=pd, **flags) as front,
     ):
         yield front, p, d
-
-
-# Process helpers, until every test runs in-process.
-
-
-def mock(*args: str, speed: str = "20") -> Server:
-    port = free_port()
-    return Server(["mock", "--port", str(port), "--speed", speed, *args], port).start()
-
-
-def sglang_prefill(*args: str) -> tuple[Server, int]:
-    boot = free_port()
-    server = mock("--flavor", "sglang", "--role", "prefill", "--bootstrap-port", str(boot), *args)
-    return server, boot
-
-
-def router(
-    tmp: Path,
-    protocol: str,
-    *,
-    prefill: list[str] = (),  # type: ignore[assignment]
-    decode: list[str] = (),  # type: ignore[assignment]
-    encode: list[str] = (),  # type: ignore[assignment]
-    workers: list[str] = (),  # type: ignore[assignment]
-    pd: dict[str, object] | None = None,
-    args: tuple[str, ...] = (),
-) -> Server:
-    port = free_port()
-    argv = ["router", "--port", str(port), "--pd-protocol", protocol]
-    for flag, urls in (("--prefill", prefill), ("--decode", decode), ("--encode", encode)):
-        for url in urls:
-            argv += [flag, url]
-    for url in workers:
-        argv += ["--worker", url]
-    if pd:
-        path = tmp / f"router-{port}.yaml"
-        path.write_text(yaml.safe_dump({"router": {"pd": pd}}))
-        argv += ["--config", str(path)]
-    return Server([*argv, *one_process(args), *args], port).start()
-
-
-def process_vllm_pair(
-    tmp: Path,
-    *,
-    prefill_args: tuple[str, ...] = (),
-    decode_args: tuple[str, ...] = (),
-    pd: dict[str, object] | None = None,
-    args: tuple[str, ...] = (),
-) -> tuple[Server, Server, Server]:
-    """One vLLM prefill mock, one decode mock and a router in front: (router, prefill, decode)."""
-    prefill = mock("--role", "prefill", *prefill_args)
-    decode = mock("--role", "decode", *decode_args)
-    front = router(
-        tmp, "vllm", prefill=[spec(prefill.url)], decode=[spec(decode.url)], pd=pd, args=args
-    )
-    return front, prefill, decode
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (0 if none)."""
-    return sum(values(httpx.get(url + "/metrics").text, name, **labels))
