@@ -24,22 +24,9 @@ from switchyard.mock.faults import Faults
 from switchyard.mock.kvevents import KVEventPublisher
 from switchyard.mock.metrics import EngineMetrics
 from switchyard.mock.pd import HeldKV, KVPuller
-from switchyard.mock.settings import MockSettings
+from switchyard.mock.settings import ENGINE_FIELDS, MockSettings
 from switchyard.mock.tokenizer import ModelTokenizer
 
-ENGINE_FIELDS = (
-    "block_size",
-    "num_gpu_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "enable_prefix_caching",
-    "step_base_us",
-    "prefill_token_us",
-    "decode_token_us",
-    "context_token_us",
-    "kv_transfer_us_per_block",
-    "held_kv_timeout_s",
-)
 SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 

@@ -15,6 +15,21 @@ DEFAULT_TOKENIZER = str(Path(__file__).resolve().parent / "assets" / "tokenizer"
 Flavor = Literal["vllm", "sglang"]
 Role = Literal["unified", "prefill", "decode", "encode"]
 
+# The engine core's timing and capacity: unset ones keep the engine model's own values.
+ENGINE_FIELDS = (
+    "block_size",
+    "num_gpu_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "step_base_us",
+    "prefill_token_us",
+    "decode_token_us",
+    "context_token_us",
+    "kv_transfer_us_per_block",
+    "held_kv_timeout_s",
+)
+
 
 class MockSettings(ServiceSettings):
     """Everything one mock engine process needs; engine timing fields default to the model's."""
@@ -32,21 +47,7 @@ class MockSettings(ServiceSettings):
             "role",
             "engine_id",
         ),
-        "Engine model": (
-            "block_size",
-            "num_gpu_blocks",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "enable_prefix_caching",
-            "step_base_us",
-            "prefill_token_us",
-            "decode_token_us",
-            "context_token_us",
-            "kv_transfer_us_per_block",
-            "held_kv_timeout_s",
-            "speed",
-            "seed",
-        ),
+        "Engine model": (*ENGINE_FIELDS, "speed", "seed"),
         "Data parallel": ("dp_size", "dp_external"),
         "KV events": (
             "kv_events_port",
