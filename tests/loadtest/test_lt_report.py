@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich.console import Console
@@ -11,6 +12,7 @@ from switchyard.loadtest.compare import CompareConfig, Outcome, Run
 from switchyard.loadtest.demo import headline
 from switchyard.loadtest.metrics import Summary
 from switchyard.loadtest.report import aggregate, render_table, to_json
+from switchyard.loadtest.routers import RouterSpec
 from switchyard.loadtest.workloads import build_workload
 
 
@@ -62,3 +64,10 @@ def test_json_keeps_every_run_and_the_reasons() -> None:
 def test_demo_headline_compares_our_policy_with_round_robin() -> None:
     line = headline(_outcome())
     assert "kv_aware" in line and "80%" in line and "round_robin 32%" in line
+
+
+def test_json_names_a_router_run_from_another_checkout_by_its_label() -> None:
+    outcome = _outcome()
+    outcome.config.specs = [RouterSpec.parse("kv_aware").run_from(Path("/src/old"), "abc123")]
+    data = json.loads(json.dumps(to_json(outcome)))
+    assert data["config"]["specs"] == ["kv_aware abc123"]

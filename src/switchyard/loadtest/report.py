@@ -101,6 +101,7 @@ def to_json(outcome: Outcome) -> dict[str, Any]:
     cfg = dataclasses.asdict(outcome.config)
     for key in ("out", "mock_config"):
         cfg[key] = None if cfg[key] is None else str(cfg[key])
+    cfg["specs"] = [spec.label for spec in outcome.config.specs]
     return {
         "config": cfg,
         "workload": outcome.workload.describe(),
