@@ -118,7 +118,7 @@ async def test_a_placement_reaches_the_routers_other_processes(tmp_path: Path) -
         async def shared() -> bool:
             return await matched_on_the_other() == 128
 
-        await eventually_async(shared, 3, 0.02, "placement not shared")
+        assert await eventually_async(shared, 3, 0.02, "placement not shared")
 
 
 async def test_a_chat_message_one_process_tokenized_is_cached_in_the_others(

@@ -94,7 +94,7 @@ async def test_changes_after_a_flush_schedule_the_next_one(metric_dir: Path) -> 
     counter.inc()
     await eventually_async(lambda: summed(metric_dir, "sy_test_next_total") == 1)
     counter.inc()
-    await eventually_async(lambda: summed(metric_dir, "sy_test_next_total") == 2)
+    assert await eventually_async(lambda: summed(metric_dir, "sy_test_next_total") == 2)
 
 
 async def test_handing_over_the_loop_writes_what_changed_before(metric_dir: Path) -> None:

@@ -92,4 +92,6 @@ async def test_a_client_gone_under_another_asgi_server_aborts_the_worker(
         writer.write(REQUEST)
         await eventually_async(lambda: engine.state.requests == 1)
         writer.close()
-        await eventually_async(lambda: engine.state.disconnected_at, message="worker aborted")
+        assert await eventually_async(
+            lambda: engine.state.disconnected_at, message="worker aborted"
+        )
