@@ -206,7 +206,7 @@ async def test_a_url_without_a_host_is_invalid(pool) -> None:
         await pool.post("ftp:///v1/completions", b"{}", {})
 
 
-async def test_a_kept_alive_connection_the_worker_dropped_is_replaced_once(serve, pool) -> None:
+async def test_a_request_the_worker_read_and_dropped_is_not_sent_again(serve, pool) -> None:
     async def once_per_connection(
         r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker
     ) -> None:
@@ -217,9 +217,28 @@ async def test_a_kept_alive_connection_the_worker_dropped_is_replaced_once(serve
     worker = await serve(once_per_connection)
     first = await pool.post(worker.url, b"{}", {})
     await first.read()
+    with pytest.raises(ServerDisconnected) as raised:
+        await pool.post(worker.url, b"{}", {})
+    assert raised.value.maybe_started
+    assert (worker.connections, len(worker.requests)) == (1, 2)  # never written twice
+
+
+async def test_a_kept_alive_connection_the_worker_closed_is_replaced(serve, pool) -> None:
+    async def one_per_connection(
+        r: asyncio.StreamReader, w: asyncio.StreamWriter, worker: Worker
+    ) -> None:
+        await worker.request(r)
+        w.write(OK)
+        await w.drain()  # then closed while idle, as a worker's keep-alive timer does
+
+    worker = await serve(one_per_connection)
+    pool.check_idle_after_s = 0.0  # the EOF may be unread yet: looked for before writing
+    first = await pool.post(worker.url, b"{}", {})
+    await first.read()
+    await worker.closed.wait()
     second = await pool.post(worker.url, b"{}", {})
     assert (second.status, await second.read()) == (200, b"{}")
-    assert worker.connections == 2
+    assert (worker.connections, len(worker.requests)) == (2, 2)
 
 
 async def test_connections_per_worker_are_capped(serve) -> None:

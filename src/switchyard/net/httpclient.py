@@ -9,14 +9,23 @@ no cookies, redirects, proxies, decompression or per-request header objects
 
 Failures raise the classes of ``switchyard.net.errors``, which ``router.upstream.outcome_of``
 maps to outcomes: refused or unresolvable is a ``ConnectError``; closed before the response
-head is ``ServerDisconnected``; broken after it is ``PayloadCut``; a deadline passed is a
-``TransportTimeout`` (a ``TimeoutError``).
+head is ``ServerDisconnected``; an answer that is not HTTP/1.1 we accept, or whose head
+passes the cap, is a ``RemoteProtocolError``; broken after the head is ``PayloadCut``; a
+deadline passed is a ``TransportTimeout`` (a ``TimeoutError``); a header with CR, LF or
+NUL is an ``InvalidHeader``, raised before anything is written.
+
+Interim answers (1xx but 101) are skipped for the final one (RFC 9110 15.2). A request is
+written at most once: a kept connection is checked before it is written on, and a
+connection that ends after the request went out raises (``maybe_started``) rather than
+sending it again, since the worker may have read it and begun generating.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import re
+import select
 import ssl
 import time
 from collections import deque
@@ -29,10 +38,15 @@ import httptools
 from switchyard.net.errors import (
     ConnectError,
     ConnectTimeout,
+    InvalidHeader,
     InvalidURL,
     PayloadCut,
+    PoolTimeout,
     ReadTimeout,
+    RemoteProtocolError,
+    ResponseHeadTooLarge,
     ServerDisconnected,
+    TransportError,
     TransportTimeout,
 )
 
@@ -43,6 +57,43 @@ _HIGH_WATER_BYTES = 1 << 20
 PieceWriter = Callable[[bytes], "asyncio.Future[None] | None"]
 # Above this, a request's head and body are handed to the transport apart (no copy).
 _JOIN_BODY_BYTES = 64 * 1024
+# Default cap on an answer's head (status line, headers, interim answers before it).
+MAX_HEAD_BYTES = 64 * 1024
+# An idle connection older than this is polled for an unread EOF before it is written on:
+# a worker's own keep-alive timer (uvicorn's is 5 s) closes it, and the FIN may be in the
+# socket while the loop has not run its callback yet. Younger ones skip the syscall.
+CHECK_IDLE_AFTER_S = 1.0
+# An HTTP token (RFC 9110 5.6.2): what a header name may be.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+@functools.lru_cache(maxsize=1024)
+def _header_name(name: str) -> bytes:
+    """``name`` checked and encoded once; the router sends a handful of distinct names."""
+    if not _TOKEN.fullmatch(name):
+        raise InvalidHeader(f"header name {name!r} is not an HTTP token")
+    return name.encode("ascii")
+
+
+def _header_lines(headers: dict[str, str]) -> list[bytes]:
+    """``headers`` as request head lines; a value with CR, LF or NUL (it would end the
+    header and start another, or a request) is refused: one scan over all the values."""
+    values = "".join(headers.values())
+    if "\r" in values or "\n" in values or "\0" in values:
+        bad = next(n for n, v in headers.items() if "\r" in v or "\n" in v or "\0" in v)
+        raise InvalidHeader(f"header {bad!r}: CR, LF or NUL in its value")
+    try:
+        return [
+            b"%s: %s\r\n" % (_header_name(name), value.encode("latin-1"))
+            for name, value in headers.items()
+        ]
+    except UnicodeEncodeError as exc:
+        raise InvalidHeader(f"header value not latin-1: {exc}") from None
+
+
+class _HeadDone(Exception):
+    """Raised from the parser's callback to stop it at the end of a HEAD answer's head
+    (httptools cannot be told that such an answer has no body)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -249,16 +300,21 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.head: asyncio.Future[Response] | None = None
-        self.received = False  # any byte of the current answer
+        self.awaiting_head = False  # the final answer's head is not complete yet
+        self.head_left = 0  # bytes the head may still take before the cap
+        self.interim = False  # the message being parsed is a 1xx interim answer
+        self.head_only = False  # the request was HEAD: its answer has no body
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
 
-    def send(self, head: bytes, body: bytes) -> asyncio.Future[Response]:
+    def send(self, head: bytes, body: bytes, head_only: bool = False) -> asyncio.Future[Response]:
         """Write a request; the future resolves with its response at the head."""
         assert self.transport is not None
         self.response = Response(self)
-        self.received = False
+        self.awaiting_head = True
+        self.head_left = self.pool.max_head_bytes
+        self.head_only = head_only
         self.head = self.pool.loop.create_future()
         if len(body) > _JOIN_BODY_BYTES:
             self.transport.writelines((head, body))
@@ -283,6 +339,20 @@ class _Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
 
+    def unread(self) -> bool:
+        """Bytes or an EOF wait unread in the socket of this idle connection, so it cannot
+        take a request (polled: ``select.select`` fails past fd 1024)."""
+        transport = self.transport
+        sock = None if transport is None else transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poller = select.poll()
+        try:
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):
+            return True
+
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -292,12 +362,54 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # bytes nobody asked for: the connection is not reusable
             self.abort()
             return
-        self.received = True
+        if self.awaiting_head:
+            left = self.head_left
+            if len(data) > left:  # the head ends within the cap or the call fails
+                if left and not self._parse(data[:left]):
+                    return
+                if self.awaiting_head:
+                    cap = self.pool.max_head_bytes
+                    self._fail(ResponseHeadTooLarge(f"answer head over {cap} bytes"))
+                    self.abort()
+                    return
+                data = data[left:]
+                if self.closed or not data:
+                    return
+            else:
+                self.head_left = left - len(data)
+        self._parse(data)
+
+    def _parse(self, data: bytes) -> bool:
+        """Feed ``data`` to the parser; False when that ended the connection."""
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(f"malformed answer: {exc}")
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _HeadDone):
+                return self._head_answered(data)
+            self._fail(cause if isinstance(cause, TransportError) else RemoteProtocolError(exc))
             self.abort()
+            return False
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(RemoteProtocolError(f"malformed answer: {exc}"))
+            self.abort()
+            return False
+        return True
+
+    def _head_answered(self, data: bytes) -> bool:
+        """A HEAD answer ended at its head: the connection is kept when nothing followed
+        it (the parser, stopped mid-message, is replaced)."""
+        response = self.response
+        keep = self.parser.should_keep_alive() and data.endswith(b"\r\n\r\n")
+        self.response = None
+        self.parser = httptools.HttpResponseParser(self)
+        if response is not None:
+            response._finish()
+        if keep and not self.closed:
+            self.pool._release(self)
+            return True
+        self.abort()
+        return False
 
     def eof_received(self) -> bool:
         return False
@@ -309,28 +421,43 @@ class _Connection(asyncio.Protocol):
             if self.head is not None and self.head.done() and _ends_at_close(response):
                 response._finish()
             else:
-                self._fail(f"connection lost: {exc}" if exc else "connection closed by the worker")
+                reason = f"connection lost: {exc}" if exc else "connection closed by the worker"
+                self._fail(ServerDisconnected(reason))
         self.response = None
         self.pool._lost(self)
 
     # httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.response is not None
-        self.response.raw_headers.append((name, value))
+        if self.response is not None:
+            self.response.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response, head = self.response, self.head
-        assert response is not None and head is not None
-        response.status = self.parser.get_status_code()
+        if response is None or head is None:
+            raise RemoteProtocolError("an answer to no request")
+        status = self.parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise RemoteProtocolError("101 Switching Protocols, to no upgrade asked for")
+            self.interim = True  # 100 Continue, 103 Early Hints...: the final one follows
+            response.raw_headers.clear()
+            return
+        self.awaiting_head = False
+        response.status = status
         if not head.done():
             head.set_result(response)
+        if self.head_only:
+            raise _HeadDone
 
     def on_body(self, body: bytes) -> None:
         if self.response is not None:
             self.response._feed(body)
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         response = self.response
         if response is None:
             return
@@ -343,12 +470,13 @@ class _Connection(asyncio.Protocol):
         else:
             self.abort()
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, error: TransportError) -> None:
+        """``error`` for the waiting head; once the head came, the body is ``PayloadCut``."""
         head, response = self.head, self.response
         if head is not None and not head.done():
-            head.set_exception(ServerDisconnected(reason))
+            head.set_exception(error)
         elif response is not None:
-            response._finish(PayloadCut(reason))
+            response._finish(error if isinstance(error, PayloadCut) else PayloadCut(str(error)))
 
 
 def _expire(answer: asyncio.Future[Response]) -> None:
@@ -369,31 +497,40 @@ def _ends_at_close(response: Response) -> bool:
 
 class ConnectionPool:
     """Kept-alive connections per origin (scheme, host, port), at most ``max_per_origin``
-    open at once (0: unbounded); an idle one is closed after ``keepalive_s``."""
+    open at once (0: unbounded); an idle one is closed after ``keepalive_s``. An answer's
+    head may take ``max_head_bytes`` at most; ``https`` origins are reached with
+    ``ssl_context`` (default: ``ssl.create_default_context()``)."""
 
     def __init__(
-        self, *, connect_timeout_s: float, max_per_origin: int = 0, keepalive_s: float = 60.0
+        self,
+        *,
+        connect_timeout_s: float,
+        max_per_origin: int = 0,
+        keepalive_s: float = 60.0,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_per_origin = max_per_origin
         self.keepalive_s = keepalive_s
+        self.max_head_bytes = max_head_bytes
+        self.check_idle_after_s = CHECK_IDLE_AFTER_S
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._open: dict[tuple[str, str, int], set[_Connection]] = {}
         self._waiters: dict[tuple[str, str, int], deque[asyncio.Future[None]]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
 
     async def post(
         self, url: str, body: bytes, headers: dict[str, str], timeout_s: float | None = None
     ) -> Response:
         """POST ``body`` with ``headers`` (plus Host and Content-Length); the response at its
-        head, within ``timeout_s`` (else ``ReadTimeout``). A kept-alive connection that the
-        worker had closed is replaced once."""
+        head, within ``timeout_s`` (else ``ReadTimeout``). Written once: a worker that
+        closes the connection before answering is a ``ServerDisconnected``."""
         origin, host, path = _target(url)
         lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: "]
         lines.append(b"%d\r\n" % len(body))
-        for name, value in headers.items():
-            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
+        lines += _header_lines(headers)
         lines.append(b"\r\n")
         return await self._request(origin, b"".join(lines), body, timeout_s)
 
@@ -401,12 +538,7 @@ class ConnectionPool:
         self, url: str, headers: dict[str, str], timeout_s: float | None = None
     ) -> Response:
         """DELETE ``url`` with ``headers``; the response at its head (as ``post``)."""
-        origin, host, path = _target(url)
-        lines = [b"DELETE ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: 0\r\n"]
-        for name, value in headers.items():
-            lines.append(b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")))
-        lines.append(b"\r\n")
-        return await self._request(origin, b"".join(lines), b"", timeout_s)
+        return await self.request("DELETE", url, b"", headers, timeout_s)
 
     async def get(self, url: str, timeout_s: float | None = None) -> Response:
         """GET ``url``; the response at its head, within ``timeout_s`` (as ``post``)."""
@@ -414,25 +546,58 @@ class ConnectionPool:
         head = b"GET %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (path, host)
         return await self._request(origin, head, b"", timeout_s)
 
-    async def _request(
-        self, origin: tuple[str, str, int], head: bytes, body: bytes, timeout_s: float | None
+    async def head(
+        self, url: str, headers: dict[str, str] | None = None, timeout_s: float | None = None
     ) -> Response:
+        """HEAD ``url``: the response at its head, with no body whatever it announces."""
+        return await self.request("HEAD", url, b"", headers, timeout_s)
+
+    async def request(
+        self,
+        method: str,
+        url: str,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Response:
+        """Any method, as ``post``; Content-Length is sent where there is a body, or a
+        method that expects one (POST, PUT, PATCH, DELETE)."""
+        if not _TOKEN.fullmatch(method):
+            raise InvalidHeader(f"method {method!r} is not an HTTP token")
+        origin, host, path = _target(url)
+        lines = [method.encode("ascii"), b" ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\n"]
+        if body or method in ("POST", "PUT", "PATCH", "DELETE"):
+            lines.append(b"Content-Length: %d\r\n" % len(body))
+        if headers:
+            lines += _header_lines(headers)
+        lines.append(b"\r\n")
+        return await self._request(origin, b"".join(lines), body, timeout_s, method == "HEAD")
+
+    async def _request(
+        self,
+        origin: tuple[str, str, int],
+        head: bytes,
+        body: bytes,
+        timeout_s: float | None,
+        head_only: bool = False,
+    ) -> Response:
+        """One exchange on one connection, never repeated: a kept connection the worker
+        closed is found out before writing (``_take_idle``), not by resending."""
         deadline = None if timeout_s is None else self.loop.time() + timeout_s
-        conn, reused = await self._acquire(origin, deadline)
-        try:
-            return await self._exchange(conn, head, body, deadline)
-        except ServerDisconnected:
-            if not reused or conn.received:
-                raise
-        conn, _ = await self._acquire(origin, deadline, fresh=True)
-        return await self._exchange(conn, head, body, deadline)
+        conn = await self._acquire(origin, deadline)
+        return await self._exchange(conn, head, body, deadline, head_only)
 
     async def _exchange(
-        self, conn: _Connection, head: bytes, body: bytes, deadline: float | None
+        self,
+        conn: _Connection,
+        head: bytes,
+        body: bytes,
+        deadline: float | None,
+        head_only: bool = False,
     ) -> Response:
         """Send on ``conn`` and wait for the answer's head; a timer, not an
         ``asyncio.timeout`` (one object and a reschedule less a request)."""
-        answer = conn.send(head, body)
+        answer = conn.send(head, body, head_only)
         timer = None if deadline is None else self.loop.call_at(deadline, _expire, answer)
         try:
             return await answer
@@ -449,49 +614,43 @@ class ConnectionPool:
                 conn.abort()
         self._idle.clear()
 
-    async def _acquire(
-        self, origin: tuple[str, str, int], deadline: float | None, fresh: bool = False
-    ) -> tuple[_Connection, bool]:
-        """A connection to ``origin`` and whether it served an earlier request; connecting
-        or waiting for a free one ends at ``deadline`` (loop time) with ``ReadTimeout``
-        (connecting itself, within the connect timeout, else ``ConnectTimeout``)."""
-        conn = None if fresh else self._take_idle(origin)
+    async def _acquire(self, origin: tuple[str, str, int], deadline: float | None) -> _Connection:
+        """A connection to ``origin``; connecting or waiting for a free one ends at
+        ``deadline`` (loop time) with ``PoolTimeout`` (connecting itself, within the
+        connect timeout, else ``ConnectTimeout``)."""
+        conn = self._take_idle(origin)
         if conn is not None:  # the usual case: no timeout context entered
-            return conn, True
+            return conn
         try:
             async with asyncio.timeout_at(deadline):
-                return await self._wait_or_connect(origin, fresh)
+                return await self._wait_or_connect(origin)
         except TransportTimeout:
             raise
         except TimeoutError:
-            raise ReadTimeout("no connection by the deadline") from None
+            raise PoolTimeout("no connection by the deadline") from None
 
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         """The latest idle connection still open and within ``keepalive_s``; older ones
-        found on the way are closed."""
+        found on the way are closed, as is one idle for ``check_idle_after_s`` whose
+        socket holds an unread EOF (or bytes): nothing was written on it."""
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                return conn
+                if now - conn.idle_since < self.check_idle_after_s or not conn.unread():
+                    return conn
             conn.abort()
         return None
 
-    async def _wait_or_connect(
-        self, origin: tuple[str, str, int], fresh: bool
-    ) -> tuple[_Connection, bool]:
+    async def _wait_or_connect(self, origin: tuple[str, str, int]) -> _Connection:
         while True:
-            conn = None if fresh else self._take_idle(origin)
+            conn = self._take_idle(origin)
             if conn is not None:
-                return conn, True
+                return conn
             opened = self._open.setdefault(origin, set())
             if not self.max_per_origin or len(opened) < self.max_per_origin:
-                return await self._connect(origin, opened), False
-            idle = self._idle.get(origin)
-            if fresh and idle:
-                idle.pop(0).abort()  # at the cap: the oldest idle one makes room
-                continue
+                return await self._connect(origin, opened)
             waiter = self.loop.create_future()
             self._waiters.setdefault(origin, deque()).append(waiter)
             try:
@@ -522,6 +681,7 @@ class ConnectionPool:
         return conn
 
     def _tls(self) -> ssl.SSLContext:
+        """The pool's context, else the default one (verifying against the system CAs)."""
         if self._ssl is None:
             self._ssl = ssl.create_default_context()
         return self._ssl
