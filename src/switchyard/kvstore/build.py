@@ -37,6 +37,7 @@ def store_from_settings(settings: KVStoreSettings) -> KVStore:
         speculative_ttl_s=settings.speculative_ttl_s,
         lookup_timeout_s=settings.lookup_timeout_ms / 1000.0,
         key_cache_bytes=settings.key_cache_bytes,
+        zmtp=settings.zmtp(),
     )
     for sub in settings.subscriptions():
         store.subscribe(sub.instance, sub.endpoint, sub.replay_endpoint, sub.flavor, sub.dp_rank)

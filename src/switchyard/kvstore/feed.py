@@ -3,6 +3,11 @@
 vLLM numbers every batch per publisher (``seq`` frame). A jump forward is a gap (we
 missed batches: replay them or clear); a jump backward is a restarted publisher
 (its old blocks and hash map are void) unless it is the overlap of our own replay.
+
+A feed is stale from the moment its publisher's connection is found dead or lost until
+it has resynced (reconnected and its first frame handled, a gap replayed on the way):
+what its index entries say may be out of date meanwhile, so the router estimates that
+instance's cache from its own placements instead.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class FeedInfo:
     last_ts: float | None
     gaps: int
     replays: int
+    stale: bool = False
 
 
 class Feed:
@@ -49,6 +55,8 @@ class Feed:
         self.last_ts: float | None = None
         self.gaps = 0
         self.replays = 0
+        self.stale = False
+        self.stale_since: float | None = None  # monotonic time the connection went
         self.catching_up = False  # replaying what the publisher buffered before we joined
         # Sequence numbers in (dup_floor, last_seq] were already applied by a replay.
         self.dup_floor: int | None = None
@@ -79,4 +87,5 @@ class Feed:
             self.last_ts,
             self.gaps,
             self.replays,
+            self.stale,
         )

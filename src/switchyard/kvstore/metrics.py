@@ -44,6 +44,22 @@ class KVStoreMetrics(LabelCache):
             registry=r,
             multiprocess_mode="max",
         )
+        # 1 from a publisher's connection found dead or lost until its feed resynced: the
+        # router estimates that instance's cache from its placements meanwhile.
+        self.feed_stale = Gauge(
+            p + "feed_stale",
+            "1 while an instance's event feed is down or not yet resynced",
+            ["instance"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.feed_disconnects = Counter(
+            p + "feed_disconnects",
+            "Event-feed connections lost or dropped "
+            "(reason: lost, silent, frame_too_large, protocol)",
+            ["instance", "reason"],
+            registry=r,
+        )
         self.lookups = Counter(p + "lookups", "Lookups answered", ["outcome"], registry=r)
         self.lookup_seconds = Histogram(
             p + "lookup_seconds",

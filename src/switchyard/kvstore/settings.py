@@ -6,11 +6,12 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from switchyard.core.settings import ServiceSettings
 from switchyard.kvstore.keys import KEY_CACHE_BYTES
+from switchyard.net.zmtp import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MAX_FRAME_BYTES, ZmtpOptions
 
 # Bound of the routing tokenizer's message and piece caches together. Here, not in
 # ``tokenize``, so reading settings does not import a tokenizer library.
@@ -85,7 +86,15 @@ class KVStoreSettings(ServiceSettings):
     section = "kvstore"
     headings = {
         "Service": ("host", "port", "api_key", "admin_api_key", "log_level"),
-        "Event sources": ("subscription_hosts", "subscribe", "workers", "kv_listen"),
+        "Event sources": (
+            "subscription_hosts",
+            "subscribe",
+            "workers",
+            "kv_listen",
+            "events_max_frame_bytes",
+            "events_heartbeat_s",
+            "events_heartbeat_timeout_s",
+        ),
         "Tokenization": ("tokenizer", "tokenize_url", "tokenize_cache_bytes", "key_cache_bytes"),
         "Index": (
             "redis_url",
@@ -132,6 +141,20 @@ class KVStoreSettings(ServiceSettings):
     kv_listen: str | None = Field(
         default=None, description="tcp://HOST:PORT to bind for engines that connect their events"
     )
+    events_max_frame_bytes: int = Field(
+        default=MAX_FRAME_BYTES,
+        gt=0,
+        description="largest frame read from a publisher, bytes; one over it drops the connection",
+    )
+    events_heartbeat_s: float = Field(
+        default=HEARTBEAT_S, gt=0, description="PING each publisher every N s"
+    )
+    events_heartbeat_timeout_s: float = Field(
+        default=HEARTBEAT_TIMEOUT_S,
+        gt=0,
+        description="a publisher silent this long (no frame, no PONG) is dead: reconnect, "
+        "its feed stale until it resyncs",
+    )
     tokenizer: str | None = Field(
         default=None, description="HF tokenizer dir; else tokenize_url; else approximate"
     )
@@ -174,6 +197,17 @@ class KVStoreSettings(ServiceSettings):
         if value is not None and not zmq_endpoint(value):
             raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
         return value
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> KVStoreSettings:
+        self.zmtp()
+        return self
+
+    def zmtp(self) -> ZmtpOptions:
+        """The subscriptions' frame cap and heartbeats (``ValueError`` if they disagree)."""
+        return ZmtpOptions(
+            self.events_max_frame_bytes, self.events_heartbeat_s, self.events_heartbeat_timeout_s
+        )
 
     def subscriptions(self) -> list[Subscription]:
         return [parse_subscription(s) for s in self.subscribe]

@@ -42,6 +42,7 @@ from switchyard.kvstore.registry import FleetFollower, StaticWorker
 from switchyard.kvstore.subscriber import Subscriber, request_replay
 from switchyard.kvstore.tokenize import RoutingTokenizer
 from switchyard.net.zmqrecv import ZmqContext
+from switchyard.net.zmtp import FrameTooLarge, PeerSilent, ZmtpError, ZmtpOptions
 
 log = logging.getLogger("switchyard.kvstore")
 
@@ -119,7 +120,9 @@ class KVStore:
         replay_timeout_s: float = 1.0,
         metrics: KVStoreMetrics | None = None,
         key_cache_bytes: int = KEY_CACHE_BYTES,
+        zmtp: ZmtpOptions | None = None,
     ) -> None:
+        """``zmtp``: frame cap and heartbeats of the subscriptions to engines' publishers."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, not {block_size}")
         self.index: KVIndex = index if index is not None else MemoryIndex()
@@ -135,6 +138,7 @@ class KVStore:
         self.probe_interval_s = probe_interval_s
         self.replay_timeout_s = replay_timeout_s
         self.metrics = metrics or KVStoreMetrics()
+        self.zmtp = zmtp or ZmtpOptions()
         # Block keys of prompts seen before: turn k+1 of a chat keys only its new blocks.
         self.key_cache = KeyCache(key_cache_bytes)
         self.degraded = False
@@ -390,13 +394,24 @@ class KVStore:
 
     def expects_events(self, instance: str) -> bool:
         """Whether events of ``instance`` are followed: subscribed, mapped to a topic of the
-        ``--kv-listen`` socket, or already arriving."""
+        ``--kv-listen`` socket, or already arriving; and none of its feeds is stale (its
+        publisher's connection lost and not yet resynced), when its entries may be out of
+        date and placements are the better guess."""
+        if self.stale(instance):
+            return False
         follower = self.follower
         if follower is not None and instance in follower.endpoints:
             return True
         if any(src.instance == instance for src in self.topics.by_topic.values()):
             return True
         return any(f.instance == instance for f in self._all_feeds())
+
+    def stale(self, instance: str) -> bool:
+        """Whether a feed of ``instance`` lost its publisher and has not resynced yet."""
+        return any(f.stale for f in self._subscribers_of(instance))
+
+    def _subscribers_of(self, instance: str) -> list[Feed]:
+        return [s.feed for s in self._subscribers.values() if s.feed.instance == instance]
 
     def feeds_of(self, instance: str) -> list[Feed]:
         """The event feeds of one instance (one per DP rank publisher)."""
@@ -426,8 +441,18 @@ class KVStore:
         if self._ctx is None:
             self._ctx = ZmqContext()
         feed = Feed(self._ingestor(instance, dp_rank), flavor, endpoint, replay_endpoint)
-        sub = Subscriber(self._ctx, feed, self._on_frame, self._catch_up, self.take_frame)
+        sub = Subscriber(
+            self._ctx,
+            feed,
+            self._on_frame,
+            self._catch_up,
+            self.take_frame,
+            self.zmtp,
+            self._feed_lost,
+            self._feed_resynced,
+        )
         self._subscribers[endpoint] = sub
+        self._show_stale(instance)
         if self._started and not self.events_from_sibling:
             sub.start()
 
@@ -497,6 +522,49 @@ class KVStore:
         sub = self._subscribers.pop(endpoint, None)
         if sub is not None:
             await sub.stop()
+            self._show_stale(sub.feed.instance)
+
+    def _feed_lost(self, feed: Feed, reason: BaseException | None) -> None:
+        """The publisher's connection went (or never came): the feed is stale until a frame
+        of a new connection has been handled."""
+        if isinstance(reason, FrameTooLarge):
+            kind = "frame_too_large"
+        elif isinstance(reason, PeerSilent):
+            kind = "silent"
+        elif isinstance(reason, ZmtpError):
+            kind = "protocol"
+        else:
+            kind = "lost"
+        self.metrics.child(self.metrics.feed_disconnects, feed.instance, kind).inc()
+        if feed.stale:
+            return
+        feed.stale = True
+        feed.stale_since = time.monotonic()
+        self._show_stale(feed.instance)
+        log.warning(
+            "%s: KV events from %s stopped (%s%s); its cache is estimated from placements "
+            "until the feed resyncs",
+            feed.instance,
+            feed.endpoint,
+            kind,
+            f": {reason}" if reason is not None and str(reason) else "",
+        )
+
+    def _feed_resynced(self, feed: Feed) -> None:
+        since = feed.stale_since
+        feed.stale = False
+        feed.stale_since = None
+        self._show_stale(feed.instance)
+        log.warning(
+            "%s: KV events from %s resynced after %.1f s",
+            feed.instance,
+            feed.endpoint,
+            time.monotonic() - since if since is not None else 0.0,
+        )
+
+    def _show_stale(self, instance: str) -> None:
+        m = self.metrics
+        m.child(m.feed_stale, instance).set(1 if self.stale(instance) else 0)
 
     async def _on_frame(self, feed: Feed, seq: int, payload: bytes) -> None:
         verdict = feed.classify(seq)

@@ -5,6 +5,10 @@ stream), so index updates and lookups never race. Replay protocol (vLLM): a DEAL
 ``[b"", start_seq]`` (8 bytes, big-endian) to the publisher's ROUTER socket; it answers
 ``[b"", topic, seq, payload]`` per buffered batch, then ``seq = -1``. Older publishers
 leave the topic out, so the sequence and payload are read from the end of the frames.
+
+The stream tells when its connection is lost or found dead (``on_lost``); the feed is
+resynced (``on_resynced``) once a frame of the next connection has been handled, through
+``on_frame`` so that a gap left by the outage is replayed first.
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ import zmq.asyncio
 from switchyard.kvstore.events import EventDecodeError, decode_seq
 from switchyard.kvstore.feed import Feed
 from switchyard.net.zmqrecv import ZmqContext
-from switchyard.net.zmtp import subscribe
+from switchyard.net.zmtp import ZmtpOptions, subscribe
 
 log = logging.getLogger("switchyard.kvstore.subscriber")
 
 Handler = Callable[[Feed, int, bytes], Awaitable[None]]
 Taker = Callable[[Feed, int, bytes], bool]
 CatchUp = Callable[[Feed], Awaitable[None]]
+Lost = Callable[[Feed, BaseException | None], None]
+Resynced = Callable[[Feed], None]
 
 
 async def request_replay(
@@ -60,16 +66,22 @@ class Subscriber:
         on_frame: Handler,
         catch_up: CatchUp | None = None,
         take: Taker | None = None,
+        options: ZmtpOptions | None = None,
+        on_lost: Lost | None = None,
+        on_resynced: Resynced | None = None,
     ) -> None:
         """``catch_up`` runs once the SUB socket is connected, before live frames are read
         (what arrives meanwhile waits in the socket). ``take`` is offered each live frame
-        as it is read, once the first has been handled; what it declines goes to
-        ``on_frame``."""
+        as it is read, once the first has been handled, unless the feed is stale; what it
+        declines goes to ``on_frame``. ``options``: the stream's frame cap and heartbeats."""
         self._ctx = ctx
         self.feed = feed
         self._on_frame = on_frame
         self._catch_up = catch_up
         self._take_frame = take
+        self.options = options or ZmtpOptions()
+        self._on_lost = on_lost
+        self._on_resynced = on_resynced
         self._live = False
         self._task: asyncio.Task[None] | None = None
 
@@ -88,7 +100,12 @@ class Subscriber:
     async def _run(self) -> None:
         assert self.feed.endpoint is not None
         self._live = False
-        stream = subscribe(self.feed.endpoint, self._take if self._take_frame else None)
+        stream = subscribe(
+            self.feed.endpoint,
+            self._take if self._take_frame else None,
+            self.options,
+            self._lost,
+        )
         # Connecting starts with the first read; what arrives while catching up waits.
         first = asyncio.ensure_future(anext(stream))
         try:
@@ -107,8 +124,12 @@ class Subscriber:
                 await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()
 
+    def _lost(self, reason: BaseException | None) -> None:
+        if self._on_lost is not None:
+            self._on_lost(self.feed, reason)
+
     def _take(self, frames: list[bytes]) -> bool:
-        if not self._live or len(frames) < 2:
+        if not self._live or self.feed.stale or len(frames) < 2:
             return False
         assert self._take_frame is not None
         try:
@@ -127,3 +148,5 @@ class Subscriber:
             log.warning("%s: undecodable frame: %s", self.feed.instance, exc)
         except Exception:
             log.exception("%s: event handling failed", self.feed.instance)
+        if self.feed.stale and self._on_resynced is not None:
+            self._on_resynced(self.feed)

@@ -206,6 +206,8 @@ class EmbeddedPrefixes:
         self.store.follow_fleet(fleet)
 
     def has_events(self, worker: Worker) -> bool:
+        if self.store.stale(worker.id):  # its publisher went: its entries may be out of date
+            return False
         return bool(worker.spec.kv_events) or self.store.expects_events(worker.id)
 
     async def lookup(

@@ -91,6 +91,9 @@ def build_kvstore(
         block_size=settings.kv.block_size,
         speculative_ttl_s=settings.kv.speculative_ttl_s,
         kv_listen=settings.kv.listen,
+        events_max_frame_bytes=settings.kv.events_max_frame_bytes,
+        events_heartbeat_s=settings.kv.events_heartbeat_s,
+        events_heartbeat_timeout_s=settings.kv.events_heartbeat_timeout_s,
     )
     return store_from_settings(kv)
 

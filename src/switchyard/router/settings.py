@@ -1,14 +1,15 @@
 """Router settings: flags over SWITCHYARD_ROUTER_* environment over the YAML file's `router:`.
 
 The knobs come in groups, each one value with its own repr (``settings.timeouts``,
-``settings.limits``, ``settings.retry``, ``settings.admission``, ``settings.kv``,
-``settings.pd``), so a reader sees the eight timeouts as one thing.
+``settings.limits``, ``settings.retry``, ``settings.tls``, ``settings.admission``,
+``settings.kv``, ``settings.pd``), so a reader sees the eight timeouts as one thing.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import ssl
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -18,6 +19,7 @@ from pydantic_settings import SettingsConfigDict
 from switchyard.core.keys import tenant_keys
 from switchyard.core.settings import NO_FLAG, Group, ServiceSettings
 from switchyard.kvstore.settings import zmq_endpoint
+from switchyard.net.zmtp import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MAX_FRAME_BYTES, ZmtpOptions
 from switchyard.router.pd.settings import PDSettings
 
 
@@ -112,6 +114,12 @@ class Limits(Group):
     max_connections_per_worker: int = Field(
         default=0, ge=0, description="connection pool per worker (0: unbounded)"
     )
+    max_response_head_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="a worker's answer head (status line, headers, interim 1xx answers) cap; "
+        "beyond it the call fails, the connection is closed and the client gets 502",
+    )
     max_in_flight_per_tenant: int = Field(
         default=0,
         ge=0,
@@ -129,6 +137,59 @@ class Retry(Group):
     backoff_s: float = Field(default=0.02, ge=0, description="first retry backoff")
     backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")
     after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503 answers")
+    started_requests: Literal["never", "embeddings", "always"] = Field(
+        default="embeddings",
+        description="retry on another worker a request the worker may have started (its "
+        "connection closed after the request was written, no first byte or token in time, "
+        "an answer cut before any byte was relayed): never, embeddings (they generate "
+        "nothing), or always (a completion or chat may then be generated twice, once on a "
+        "worker that goes on with it unseen). Requests no worker can have started (refused, "
+        "connect timeout, never written) and 502/503 answers are retried in any case",
+    )
+
+    def retries_started(self, route: str) -> bool:
+        """Whether a request to ``route`` that a worker may have begun goes to another."""
+        mode = self.started_requests
+        return mode == "always" or (mode == "embeddings" and route == "/v1/embeddings")
+
+
+class TLS(Group):
+    """How the router reaches https:// workers: whom it trusts and who it says it is."""
+
+    heading: ClassVar[str] = "TLS to workers"
+
+    ca_file: str | None = Field(
+        default=None,
+        description="PEM bundle of the CAs workers' certificates are verified against "
+        "(default: the system's)",
+    )
+    cert_file: str | None = Field(
+        default=None, description="PEM client certificate, for workers that require one"
+    )
+    key_file: str | None = Field(
+        default=None, description="PEM private key of cert_file (default: in cert_file)"
+    )
+    verify: bool = Field(
+        default=True,
+        description="verify workers' certificates and host names (off: encrypted but not "
+        "authenticated, for self-signed test fleets only)",
+    )
+
+    @model_validator(mode="after")
+    def _key_needs_cert(self) -> TLS:
+        if self.key_file and not self.cert_file:
+            raise ValueError("--tls-key-file needs --tls-cert-file")
+        return self
+
+    def context(self) -> ssl.SSLContext:
+        """One client context for every https worker, built from these settings."""
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if not self.verify:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
 
 
 class Admission(Group):
@@ -214,6 +275,21 @@ class KV(Group):
         "ones are routed by load (their token lists would hold the loop and the memory)",
         json_schema_extra=NO_FLAG,
     )
+    events_max_frame_bytes: int = Field(
+        default=MAX_FRAME_BYTES,
+        gt=0,
+        description="largest frame read from a KV-event publisher, bytes; one over it drops "
+        "the connection",
+    )
+    events_heartbeat_s: float = Field(
+        default=HEARTBEAT_S, gt=0, description="PING each KV-event publisher every N s"
+    )
+    events_heartbeat_timeout_s: float = Field(
+        default=HEARTBEAT_TIMEOUT_S,
+        gt=0,
+        description="a KV-event publisher silent this long (no frame, no PONG) is dead: "
+        "reconnect, and estimate that worker's cache until its events resync",
+    )
 
     @field_validator("listen")
     @classmethod
@@ -221,6 +297,13 @@ class KV(Group):
         if value is not None and not zmq_endpoint(value):
             raise ValueError(f"--kv-listen {value!r}: expected tcp://HOST:PORT")
         return value
+
+    @model_validator(mode="after")
+    def _heartbeats(self) -> KV:
+        ZmtpOptions(
+            self.events_max_frame_bytes, self.events_heartbeat_s, self.events_heartbeat_timeout_s
+        )
+        return self
 
 
 # Where each setting that moved into a group used to live, read for one release.
@@ -359,6 +442,7 @@ class RouterSettings(ServiceSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)
     retry: Retry = Field(default_factory=Retry)
+    tls: TLS = Field(default_factory=TLS)
     admission: Admission = Field(default_factory=Admission)
     kv: KV = Field(default_factory=KV)
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
