@@ -1,4 +1,5 @@
-"""A tokenizer that asks the engine's ``/tokenize`` keeps its connection between calls."""
+"""A tokenizer that asks the engine's ``/tokenize`` does so only awaiting, through one kept
+connection pool, and keeps its connection between calls."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from switchyard.kvstore.tokenize import RoutingTokenizer
+from switchyard.net.errors import TransportError
+from tests.support import free_port
 
 
 class _Engine(ThreadingHTTPServer):
@@ -21,6 +24,7 @@ class _Engine(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.connections = 0
         self.requests = 0
+        self.status = 200
 
     @property
     def url(self) -> str:
@@ -40,7 +44,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         words = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
         answer = json.dumps({"tokens": list(range(len(words.split())))}).encode()
-        self.send_response(200)
+        self.send_response(self.server.status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(answer)))
         self.end_headers()
@@ -75,15 +79,39 @@ async def test_uncached_calls_share_one_connection_and_cached_ones_send_nothing(
     assert engine.connections == 1
 
 
-def test_the_blocking_path_keeps_its_connection_too(engine: _Engine) -> None:
+def test_an_engine_tokenizer_refuses_to_block_and_sends_nothing(engine: _Engine) -> None:
+    tok = RoutingTokenizer.from_engine(engine.url)
+    with pytest.raises(RuntimeError, match="aencode_prompt"):
+        tok.encode_prompt("one two")
+    with pytest.raises(RuntimeError, match="aencode_chat"):
+        tok.encode_chat([{"role": "user", "content": "three"}])
+    assert tok.encode_prompt([4, 5]) == [4, 5]  # ids given are ids, in every mode
+    assert engine.requests == 0
+
+
+async def test_an_engine_error_status_is_a_value_error_and_is_not_cached(
+    engine: _Engine,
+) -> None:
     tok = RoutingTokenizer.from_engine(engine.url)
     try:
-        assert tok.encode_prompt("one two") == [0, 1]
-        assert tok.encode_prompt("three") == [0]
+        engine.status = 500
+        with pytest.raises(ValueError, match="HTTP 500"):
+            await tok.aencode_prompt("one two")
+        engine.status = 200
+        assert await tok.aencode_prompt("one two") == [0, 1]
     finally:
-        tok.close()
+        await tok.aclose()
     assert engine.requests == 2
-    assert engine.connections == 1
+    assert engine.connections == 1  # an error answer leaves its connection reusable
+
+
+async def test_an_unreachable_engine_is_a_transport_error() -> None:
+    tok = RoutingTokenizer.from_engine(f"http://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(TransportError):
+            await tok.aencode_prompt("one")
+    finally:
+        await tok.aclose()
 
 
 async def test_a_closed_tokenizer_connects_again_when_asked_again(engine: _Engine) -> None:

@@ -3,7 +3,9 @@
 Three modes:
 - a Hugging Face tokenizer directory (``tokenizer.json`` + the Jinja ``chat_template`` of
   ``tokenizer_config.json``), exact;
-- an engine's ``/tokenize`` endpoint, exact, cached per distinct prompt;
+- an engine's ``/tokenize`` endpoint, exact, cached per distinct prompt; asked only from
+  the event loop (``aencode_*``), through one kept pool of our own client: a blocking call
+  there would stall every request the router has in flight for the engine's answer;
 - an approximate character mode (no tokenizer at all): stable pseudo-tokens, one per
   ``CHARS_PER_TOKEN`` characters, good enough to see shared prefixes, marked ``exact=False``.
 
@@ -42,14 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+import orjson
 import xxhash
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 from switchyard.kvstore.bpe import Encoder, fast_encoder
 from switchyard.kvstore.settings import TOKENIZE_CACHE_BYTES as CACHE_BYTES
-from switchyard.net.control import async_client, sync_client
+from switchyard.net.httpclient import ConnectionPool
 
 T = TypeVar("T")
 
@@ -59,8 +61,13 @@ CHARS_PER_TOKEN = 4
 MIN_PIECE_CHARS = 256
 # Text with more uncached characters than this is tokenized in the worker thread.
 OFFLOAD_CHARS = 4096
-# Each call to an engine's /tokenize, phase by phase.
+# Each call to an engine's /tokenize as a whole, waiting for a connection included.
 _ENGINE_TIMEOUT_S = 5.0
+# Connections to the engine: the tokenizations of concurrent requests go in parallel.
+_ENGINE_CONNECTIONS = 64
+# Below uvicorn's 5 s keep-alive, so a connection is not reused just as the engine drops it.
+_ENGINE_KEEPALIVE_S = 4.0
+_JSON = {"content-type": "application/json"}
 # What one cached token costs in memory (a list slot and an int object), and one entry.
 _TOKEN_BYTES = 36
 # What a message's role and delimiters add to its content, about (in characters).
@@ -309,11 +316,9 @@ class RoutingTokenizer:
         self._keys_chars = 0  # of the contents those entries keep alive
         self._executor: ThreadPoolExecutor | None = None
         self._queued = 0
-        # Kept connections to the engine's /tokenize (``from_engine``), made on first use; the
-        # async one belongs to the loop it was made on.
-        self._client: httpx.Client | None = None
-        self._aclient: httpx.AsyncClient | None = None
-        self._aclient_loop: asyncio.AbstractEventLoop | None = None
+        # Kept connections to the engine's /tokenize (``from_engine``), made on first use;
+        # the pool belongs to the loop it was made on.
+        self._pool: ConnectionPool | None = None
         self._fast: Encoder | None = None  # tiktoken, where it gives the tokenizer's ids
         # Told of each chat message tokenized here for the first time (its cache key and
         # ids), so that the router's other processes need not tokenize it again (``learn``).
@@ -395,24 +400,26 @@ class RoutingTokenizer:
     # -- local (hf / approximate) ----------------------------------------------------------
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a completion prompt, as the engine tokenizes it (special tokens on)."""
+        """Token ids of a completion prompt, as the engine tokenizes it (special tokens on).
+
+        Local modes only: an engine-backed tokenizer is asked through ``aencode_prompt``.
+        """
         if isinstance(prompt, list):
             return prompt
         if self._tok is None:
-            if self._engine_url is not None:
-                return self._engine_tokenize_sync({"prompt": prompt})
+            self._local_only("aencode_prompt")
             return self._approx(prompt)
         return self._wrap(self._finish(self._text_plan(prompt), self._encode))
 
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of a chat request: template rendered, then tokenized without specials."""
+        """Token ids of a chat request: template rendered, then tokenized without specials.
+
+        Local modes only: an engine-backed tokenizer is asked through ``aencode_chat``.
+        """
         if self._tok is None:
-            if self._engine_url is not None:
-                return self._engine_tokenize_sync(
-                    {"messages": messages, "add_generation_prompt": add_generation_prompt}
-                )
+            self._local_only("aencode_chat")
             return self._approx(_render_plain_chat(messages, add_generation_prompt))
         return self._finish(self._chat_plan(messages, add_generation_prompt), self._encode)
 
@@ -830,29 +837,47 @@ class RoutingTokenizer:
     def _engine_key(self, body: dict[str, Any]) -> bytes:
         return _digest(json.dumps(body, sort_keys=True), _ENGINE_SEED)
 
-    def _engine_tokenize_sync(self, body: dict[str, Any]) -> list[int]:
-        key = self._engine_key(body)
-        ids = self._cache.get(key, "engine")
-        if ids is None:
-            if self._client is None:
-                self._client = sync_client(timeout=_ENGINE_TIMEOUT_S)
-            r = self._client.post(f"{self._engine_url}/tokenize", json=body)
-            r.raise_for_status()
-            ids = list(r.json()["tokens"])
-            self._cache.put(key, ids)
-        return ids
+    def _local_only(self, instead: str) -> None:
+        """Refuse a blocking call in engine mode: it would wait for the engine's answer on
+        the event loop, stalling every request in flight meanwhile."""
+        if self._engine_url is not None:
+            raise RuntimeError(
+                f"this tokenizer asks the engine at {self._engine_url}: use {instead}, "
+                "which awaits the answer instead of blocking"
+            )
+
+    def _engine_pool(self) -> ConnectionPool:
+        """The kept pool to the engine, made on first use on the running loop (and again if
+        the loop changed: a pool's connections belong to the loop that opened them)."""
+        pool = self._pool
+        if pool is None or pool.loop is not asyncio.get_running_loop():
+            pool = self._pool = ConnectionPool(
+                connect_timeout_s=_ENGINE_TIMEOUT_S,
+                max_per_origin=_ENGINE_CONNECTIONS,
+                keepalive_s=_ENGINE_KEEPALIVE_S,
+            )
+        return pool
 
     async def _engine_tokenize(self, body: dict[str, Any]) -> list[int]:
+        """The engine's ids for ``body``, cached by its content. Transport failures raise
+        ``switchyard.net.errors.TransportError`` (a timeout also ``TimeoutError``); an
+        answer that is not 2xx with a ``tokens`` list raises ``ValueError``."""
         key = self._engine_key(body)
         ids = self._cache.get(key, "engine")
         if ids is None:
-            loop = asyncio.get_running_loop()
-            if self._aclient is None or self._aclient_loop is not loop:
-                self._aclient = async_client(timeout=_ENGINE_TIMEOUT_S)
-                self._aclient_loop = loop
-            r = await self._aclient.post(f"{self._engine_url}/tokenize", json=body)
-            r.raise_for_status()
-            ids = list(r.json()["tokens"])
+            url = f"{self._engine_url}/tokenize"
+            async with asyncio.timeout(_ENGINE_TIMEOUT_S):
+                answer = await self._engine_pool().post(url, orjson.dumps(body), _JSON)
+                try:
+                    raw = await answer.read()
+                finally:
+                    answer.close()
+            if not 200 <= answer.status < 300:
+                raise ValueError(f"engine /tokenize answered HTTP {answer.status}")
+            tokens = orjson.loads(raw).get("tokens")
+            if not isinstance(tokens, list):
+                raise ValueError("engine /tokenize answered without a tokens list")
+            ids = [int(t) for t in tokens]
             self._cache.put(key, ids)
         return ids
 
@@ -879,21 +904,19 @@ class RoutingTokenizer:
         return await self._run(self._chat_plan(messages, add_generation_prompt))
 
     def close(self) -> None:
-        """Stop the worker thread and the kept engine connections (new ones start if
-        tokenization is asked again)."""
+        """Stop the worker thread (a new one starts if tokenization is asked again); the
+        engine's connections are closed by ``aclose``, on their loop."""
         if self._executor is not None:
             self._executor.shutdown(wait=False)
             self._executor = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
     async def aclose(self) -> None:
-        """``close``, and the async client's connections too (closed on their loop)."""
+        """``close``, and the kept engine connections too (new ones are made if asked
+        again). A pool of another loop is dropped: its loop has ended or is not ours."""
         self.close()
-        client, self._aclient, self._aclient_loop = self._aclient, None, None
-        if client is not None:
-            await client.aclose()
+        pool, self._pool = self._pool, None
+        if pool is not None and pool.loop is asyncio.get_running_loop():
+            await pool.close()
 
 
 def _joined(parts: list[list[int] | _Piece]) -> list[int]:

@@ -170,7 +170,7 @@ class ParityChecker:
             words += max(4, (target - len(tokens)) // 2)
             messages = canary_messages(nonce, words)
             tokens = await tok.aencode_chat(messages)
-        content = tok.encode_prompt(str(messages[0]["content"]))
+        content = await tok.aencode_prompt(str(messages[0]["content"]))
         expects_events = self.store.expects_events(worker)
         marks = {id(f): f.ingestor.stored_serial for f in self.store.feeds_of(worker)}
         result = ParityResult(worker, None, "", router_tokens=len(tokens))
