@@ -86,9 +86,9 @@ class EngineServer:
         self.drop_kv_events = drop_kv_events
         self.engine_id = settings.engine_id or f"mock-{settings.host}-{port}"
         self.inflight = dict.fromkeys(engines, 0)
-        # As vLLM does at startup: a sequence must fit in one rank's KV cache.
-        kv_tokens = min(e.config.num_gpu_blocks * e.config.block_size for e in engines.values())
-        self.max_len = min(settings.max_model_len, kv_tokens)
+        # As vLLM does at startup: a sequence must fit in one rank's KV cache (less its null
+        # block), so a request the API admits can always be scheduled.
+        self.max_len = min(e.config.context_limit(settings.max_model_len) for e in engines.values())
         self.limits = Limits(settings.model, settings.default_max_tokens, self.max_len)
         self.encoder = Encoder(settings, self.engine_id, port)
         self.planner = Planner(

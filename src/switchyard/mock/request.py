@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from switchyard.mock.asgi import ClientError
+from switchyard.mock.engine.api import context_length_error
 from switchyard.mock.epd import count_images, image_refs, mm_hash
 from switchyard.mock.tokenizer import ModelTokenizer, TemplateError
 
@@ -76,13 +77,9 @@ def parse_request(data: dict[str, Any], chat: bool, tok: ModelTokenizer, limits:
         max_tokens = limits.default_max_tokens
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise ClientError(400, "max_tokens must be a positive integer", "max_tokens")
-    if len(prompt_ids) + max_tokens > limits.max_len:
-        raise ClientError(
-            400,
-            f"This model's maximum context length is {limits.max_len} tokens. "
-            f"However, you requested {len(prompt_ids) + max_tokens} tokens "
-            f"({len(prompt_ids)} in the messages, {max_tokens} in the completion).",
-        )
+    too_long = context_length_error(limits.max_len, len(prompt_ids), max_tokens)
+    if too_long is not None:
+        raise ClientError(400, too_long)
     stream = bool(data.get("stream", False))
     opts = data.get("stream_options") or {}
     if opts and not stream:

@@ -59,6 +59,19 @@ class EngineStats:
     requests_finished: int
 
 
+def context_length_error(max_len: int, prompt_tokens: int, max_tokens: int) -> str | None:
+    """vLLM's 400 message for a request whose prompt + output exceeds the served context, or
+    None when it fits; refused at the API so one over-long request never reaches a rank."""
+    total = prompt_tokens + max_tokens
+    if total <= max_len:
+        return None
+    return (
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{total} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+        "Please reduce the length of the messages or completion."
+    )
+
+
 class AsyncEngine(Protocol):
     """One DP rank of a simulated engine on the real clock."""
 

@@ -9,6 +9,10 @@ decode tokens``; we keep those three terms and add two that the fit does not hav
 (derived below from the model's shape and the hardware, so they are estimates). BLIS's
 ``alpha_coeffs`` (API-server queueing/processing outside the GPU step) are not modelled.
 
+The served context (``max_model_len``) is the HTTP front's and the simulator's setting, not
+the core's: as in vLLM, a request longer than it is refused before it reaches the scheduler
+(``api.context_length_error``), so the core only ever sees requests that fit.
+
 Both flavours run the same vLLM V1-like scheduler (FCFS; ``EngineRequest.priority`` is
 not used); ``hash_flavor`` picks how block hashes are computed and published. ``speed``
 only matters on the real clock; the virtual clock runs in model time.
@@ -55,3 +59,15 @@ class EngineConfig:
     # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default on): publish uint64 hashes; off
     # publishes the raw 32-byte digests (msgpack bin). SGLang always publishes int64.
     int_block_hashes: bool = True
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens one sequence can hold in this rank's KV cache: every block but vLLM's null
+        block, so a longer sequence could never be scheduled."""
+        return (self.num_gpu_blocks - 1) * self.block_size
+
+    def context_limit(self, max_model_len: int) -> int:
+        """The longest prompt + output this rank serves: the model's context, capped by the KV
+        cache (vLLM refuses to start with a ``max_model_len`` its cache cannot hold; the mock
+        serves the smaller instead)."""
+        return min(max_model_len, self.kv_capacity_tokens)

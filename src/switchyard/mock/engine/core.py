@@ -121,11 +121,12 @@ class EngineCore:
             raise ValueError("prompt must have at least one token")
         if req.request_id in self.seqs:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        bs = self.block_size
-        need = -(-(len(req.prompt_token_ids) + max(1, req.max_tokens)) // bs)
-        if need > self.config.num_gpu_blocks - 1:
+        total = len(req.prompt_token_ids) + max(1, req.max_tokens)
+        if total > self.config.kv_capacity_tokens:
+            # Callers refuse these first (``api.context_length_error``), as vLLM's API does.
             raise ValueError(
-                f"request needs {need} KV blocks, engine has {self.config.num_gpu_blocks - 1}"
+                f"request needs {-(-total // self.block_size)} KV blocks, "
+                f"engine has {self.config.num_gpu_blocks - 1}"
             )
         digests = (
             self.hasher.chain(req.prompt_token_ids, 0, None, req.lora_name, req.cache_salt)
