@@ -6,6 +6,11 @@ are applied to the mirror at once and reported to the service without waiting
 (each ticket's reports are kept in order). The service stays the authority on
 health and on everyone's in-flight counts. The mirror is a ``Fleet`` this class
 never starts: its registry and accounting, without probes or sources.
+
+The service is called through the router's own pool (``switchyard.net.httpclient``), as
+``RemoteKVStore`` calls its service: three ticket reports go out per routed request, so
+they are data-path calls, not control-plane ones. Failures are the classes of
+``switchyard.net.errors``; an answer that is not 2xx is ``ServiceRefused``.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlencode
 
-import httpx
+import orjson
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.health import Circuit
@@ -26,15 +32,23 @@ from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.shared import set_remote
 from switchyard.balancer.view import Listener
 from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
-from switchyard.net.control import async_client
+from switchyard.net.errors import TransportError
+from switchyard.net.httpclient import ConnectionPool
 
 log = logging.getLogger("switchyard.balancer.remote")
 
 Call = tuple[str, str, dict[str, Any] | None, dict[str, str] | None]
-# Each call to the service, phase by phase (connect, write, read, wait for a connection).
+# Each call to the service as a whole, waiting for a connection included.
 _TIMEOUT_S = 5.0
 # Connections to the service: the ticket reports of concurrent requests go in parallel.
-_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=100, keepalive_expiry=15.0)
+_MAX_CONNECTIONS = 100
+# Below uvicorn's 5 s keep-alive (the service's server), so a report is not written on a
+# connection the service is closing: a request written is never sent twice.
+_KEEPALIVE_S = 4.0
+
+
+class ServiceRefused(Exception):
+    """The balancer service answered, but not with a 2xx."""
 
 
 class RemoteFleet:
@@ -54,7 +68,8 @@ class RemoteFleet:
         self.refresh_interval = refresh_interval
         self._prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count(1)
-        self._http: httpx.AsyncClient | None = None
+        self._headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self._pool: ConnectionPool | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._reports: dict[str, asyncio.Task[None] | None] = {}
         self._pending: set[asyncio.Task[Any]] = set()
@@ -65,10 +80,11 @@ class RemoteFleet:
             self.add(WorkerSpec.parse(text))
 
     async def start(self) -> None:
-        if self._http is not None:
+        if self._pool is not None:
             return
-        auth = {"authorization": f"Bearer {self.api_key}"} if self.api_key else None
-        self._http = async_client(timeout=_TIMEOUT_S, limits=_LIMITS, headers=auth)
+        self._pool = ConnectionPool(
+            connect_timeout_s=_TIMEOUT_S, max_per_origin=_MAX_CONNECTIONS, keepalive_s=_KEEPALIVE_S
+        )
         for method, path, body, params in self._queued:
             await self._call(method, path, body, params)
         self._queued.clear()
@@ -81,18 +97,41 @@ class RemoteFleet:
             await asyncio.gather(self._refresher, return_exceptions=True)
             self._refresher = None
         await asyncio.gather(*self._pending, return_exceptions=True)
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def _exchange(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        params: dict[str, str] | None = None,
+    ) -> bytes:
+        """The body of the service's 2xx answer to one call, all of it within ``_TIMEOUT_S``;
+        ``ServiceRefused`` for any other status."""
+        assert self._pool is not None
+        url = self.base_url + path + ("?" + urlencode(params) if params else "")
+        headers = self._headers
+        payload = b""
+        if body is not None:
+            headers = {**headers, "content-type": "application/json"}
+            payload = orjson.dumps(body)
+        async with asyncio.timeout(_TIMEOUT_S):
+            answer = await self._pool.request(method, url, payload, headers)
+            try:
+                raw = await answer.read()
+            finally:
+                answer.close()
+        if not 200 <= answer.status < 300:
+            raise ServiceRefused(f"{method} {path} -> HTTP {answer.status}")
+        return raw
 
     # Mirror
 
     async def refresh(self) -> None:
         """Replace the mirror with the service's view (keeping this router's own counts)."""
-        assert self._http is not None
-        resp = await self._http.get(self.base_url + "/v1/workers")
-        resp.raise_for_status()
-        listing = resp.json()
+        listing = orjson.loads(await self._exchange("GET", "/v1/workers"))
         seen = set()
         for item in listing.get("workers", []):
             spec = WorkerSpec.from_any(item["spec"])
@@ -135,7 +174,7 @@ class RemoteFleet:
             await asyncio.sleep(self.refresh_interval)
             try:
                 await self.refresh()
-            except httpx.HTTPError as exc:
+            except (TransportError, TimeoutError, ServiceRefused, ValueError) as exc:
                 log.warning("balancer %s unreachable: %s", self.base_url, exc)
 
     # Reports to the service
@@ -147,13 +186,13 @@ class RemoteFleet:
         body: dict[str, Any] | None,
         params: dict[str, str] | None,
     ) -> None:
-        if self._http is None:
+        if self._pool is None:
             return
         try:
-            resp = await self._http.request(method, self.base_url + path, json=body, params=params)
-            if resp.status_code >= 400:
-                log.warning("balancer %s %s -> %s", method, path, resp.status_code)
-        except httpx.HTTPError as exc:
+            await self._exchange(method, path, body, params)
+        except ServiceRefused as exc:
+            log.warning("balancer %s", exc)
+        except (TransportError, TimeoutError) as exc:
             log.warning("balancer %s %s failed: %s", method, path, exc)
 
     def _send(
@@ -168,7 +207,7 @@ class RemoteFleet:
 
         Before ``start`` (no loop, no session yet) admin calls wait in a queue.
         """
-        if self._http is None:
+        if self._pool is None:
             self._queued.append((method, path, body, params))
             return None
 
