@@ -276,13 +276,14 @@ class _Sub(asyncio.Protocol):
                 self._on_command(body)
             elif self.ready.done():
                 self._parts.append(body)
+                # Each frame is under the limit, but a peer may send any number of them.
+                self._part_bytes += size
+                if self._part_bytes > limit:
+                    raise FrameTooLarge(
+                        f"a message of {self._part_bytes} bytes or more is over the "
+                        f"{limit}-byte limit"
+                    )
                 if flags & _MORE:
-                    self._part_bytes += size
-                    if self._part_bytes > limit:
-                        raise FrameTooLarge(
-                            f"a message of over {self._part_bytes} bytes is over the "
-                            f"{limit}-byte limit"
-                        )
                     continue
                 # Taken at once only behind an empty queue, so messages keep their order.
                 if self.queue or self.take is None or not self.take(self._parts):
@@ -333,7 +334,9 @@ class _Sub(asyncio.Protocol):
             self._last_rx = now
         silent = now - self._last_rx
         if silent >= opts.heartbeat_timeout_s:
-            self._fail(PeerSilent(f"nothing came for {silent:.1f} s (no frame, no PONG)"))
+            self._fail(
+                PeerSilent(f"nothing came for {opts.heartbeat_timeout_s:g} s (no frame, no PONG)")
+            )
             return
         self.transport.write(_ping(opts.heartbeat_timeout_s))
         self._beat_due = now + opts.heartbeat_s
