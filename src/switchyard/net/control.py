@@ -1,4 +1,4 @@
-"""httpx clients for the control plane (service calls, discovery, parity canaries, doctor),
+"""httpx clients for the control plane (discovery, parity canaries, doctor),
 sharing one TLS context per process: httpx otherwise loads the CA bundle for every client
 it makes, a tenth of a second of CPU on the event loop each time. Environment proxies are
 ignored (``trust_env=False``): every call goes to a worker or a Switchyard service directly.
@@ -23,7 +23,3 @@ def async_client(**options: Any) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` with the shared TLS context; ``options`` as httpx takes them."""
     return httpx.AsyncClient(verify=tls_context(), trust_env=False, **options)
 
-
-def sync_client(**options: Any) -> httpx.Client:
-    """The blocking counterpart of ``async_client``."""
-    return httpx.Client(verify=tls_context(), trust_env=False, **options)
