@@ -45,7 +45,7 @@ class Peer:
         self.connections = 0
         self.closed = 0  # connections that ended
         self.pings: list[bytes] = []
-        self.subscribed = asyncio.Event()
+        self.subscriptions = 0  # handshakes that ended in the subscription
         self.server: asyncio.Server | None = None
         self._writers: set[Writer] = set()
 
@@ -99,7 +99,7 @@ class Peer:
         assert flags & COMMAND and body.startswith(b"\x05READY"), body
         flags, body = await self.read_frame(reader)
         assert body == b"\x01", body  # subscribe to everything
-        self.subscribed.set()
+        self.subscriptions += 1
 
     async def answer_pings(self, reader: Reader, writer: Writer) -> None:
         """A healthy idle publisher: each PING gets its PONG, until the subscriber goes."""
