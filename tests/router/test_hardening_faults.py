@@ -23,6 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 
 BODY = {"model": "stub-model", "prompt": "hi", "max_tokens": 8}
 ONE_TRY = {"router": {"retry": {"max_attempts": 1}}}
+# A generation a worker may have begun is retried elsewhere only where this is asked for.
+RETRY_STARTED = {"started_requests": "always"}
 
 
 async def test_stream_cut_midway_ends_with_an_upstream_error_event(engine: StubBackend) -> None:
@@ -52,9 +54,22 @@ async def test_answer_cut_before_any_byte_was_sent_is_retried_elsewhere(
     engine: StubBackend, engine2: StubBackend
 ) -> None:
     engine.state.cut_after_chunks = 0
-    async with running_router(engine.url, engine2.url, policy="round_robin") as router:
+    config = {"router": {"retry": RETRY_STARTED}}
+    async with running_router(
+        engine.url, engine2.url, config=config, policy="round_robin"
+    ) as router:
         statuses = [(await router.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
     assert statuses == [200] * 4
+
+
+async def test_answer_cut_before_any_byte_was_sent_is_not_generated_again_by_default(
+    engine: StubBackend, engine2: StubBackend
+) -> None:
+    engine.state.cut_after_chunks = 0
+    async with running_router(engine.url, engine2.url, policy="round_robin") as router:
+        statuses = [(await router.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
+    assert sorted(statuses) == [200, 200, 502, 502]
+    assert engine.state.requests + engine2.state.requests == 4  # each generated once
 
 
 async def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
@@ -67,7 +82,7 @@ async def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     engine2.state.chunks = 3
     held_open = {
         "balancer": {"cb_open_timeout_s": 60},
-        "router": {"timeouts": {"first_byte_base_s": 1.0}},  # hung attempts give up sooner
+        "router": {"timeouts": {"first_byte_base_s": 1.0}, "retry": RETRY_STARTED},
     }
     async with running_router(
         engine.url, engine2.url, config=held_open, policy="round_robin"
@@ -106,6 +121,7 @@ async def test_a_retried_answer_teaches_the_time_of_its_own_attempt_not_the_hung
         "router": {
             "admission": {"prior_tokens_per_s": 20.0},
             "timeouts": {"first_byte_base_s": 2.0},
+            "retry": RETRY_STARTED,
         }
     }
     async with running_router(
@@ -180,7 +196,12 @@ async def test_hung_engine_answers_a_completion_without_max_tokens_from_elsewher
     finite: a hung first choice is left for the next worker, not waited on for the cap."""
     engine.state.hang = True
     body = {"model": "stub-model", "prompt": "hi"}
-    short = {"router": {"timeouts": {"first_byte_base_s": 0.5, "output_token_allowance_s": 0.01}}}
+    short = {
+        "router": {
+            "timeouts": {"first_byte_base_s": 0.5, "output_token_allowance_s": 0.01},
+            "retry": RETRY_STARTED,
+        }
+    }
     async with running_router(engine.url, engine2.url, config=short, policy="round_robin") as r:
         results = [await r.post("/v1/completions", json=body) for _ in range(2)]
     assert [resp.status_code for resp in results] == [200, 200]

@@ -59,10 +59,6 @@ PieceWriter = Callable[[bytes], "asyncio.Future[None] | None"]
 _JOIN_BODY_BYTES = 64 * 1024
 # Default cap on an answer's head (status line, headers, interim answers before it).
 MAX_HEAD_BYTES = 64 * 1024
-# An idle connection older than this is polled for an unread EOF before it is written on:
-# a worker's own keep-alive timer (uvicorn's is 5 s) closes it, and the FIN may be in the
-# socket while the loop has not run its callback yet. Younger ones skip the syscall.
-CHECK_IDLE_AFTER_S = 1.0
 # An HTTP token (RFC 9110 5.6.2): what a header name may be.
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
@@ -307,6 +303,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
+        self.fd = -1  # the socket's, polled before reuse
 
     def send(self, head: bytes, body: bytes, head_only: bool = False) -> asyncio.Future[Response]:
         """Write a request; the future resolves with its response at the head."""
@@ -341,14 +338,14 @@ class _Connection(asyncio.Protocol):
 
     def unread(self) -> bool:
         """Bytes or an EOF wait unread in the socket of this idle connection, so it cannot
-        take a request (polled: ``select.select`` fails past fd 1024)."""
-        transport = self.transport
-        sock = None if transport is None else transport.get_extra_info("socket")
-        if sock is None:
+        take a request: a worker that closed it (its keep-alive timer, a restart) sent a
+        FIN the loop has not read yet. One poll, not ``select`` (which fails past fd 1024);
+        it is what lets the pool never resend a request."""
+        if self.fd < 0:
             return True
         poller = select.poll()
         try:
-            poller.register(sock.fileno(), select.POLLIN)
+            poller.register(self.fd, select.POLLIN)
             return bool(poller.poll(0))
         except (OSError, ValueError):
             return True
@@ -357,6 +354,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:  # bytes nobody asked for: the connection is not reusable
@@ -514,7 +514,6 @@ class ConnectionPool:
         self.max_per_origin = max_per_origin
         self.keepalive_s = keepalive_s
         self.max_head_bytes = max_head_bytes
-        self.check_idle_after_s = CHECK_IDLE_AFTER_S
         self.loop = asyncio.get_running_loop()
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
         self._open: dict[tuple[str, str, int], set[_Connection]] = {}
@@ -631,15 +630,14 @@ class ConnectionPool:
 
     def _take_idle(self, origin: tuple[str, str, int]) -> _Connection | None:
         """The latest idle connection still open and within ``keepalive_s``; older ones
-        found on the way are closed, as is one idle for ``check_idle_after_s`` whose
-        socket holds an unread EOF (or bytes): nothing was written on it."""
+        found on the way are closed, as is one whose socket holds an unread EOF (or
+        bytes): nothing was written on it."""
         idle = self._idle.get(origin)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < self.keepalive_s:
-                if now - conn.idle_since < self.check_idle_after_s or not conn.unread():
-                    return conn
+            if not conn.closed and now - conn.idle_since < self.keepalive_s and not conn.unread():
+                return conn
             conn.abort()
         return None
 

@@ -124,6 +124,8 @@ class RouterApp:
             first_byte_timeout_s=settings.timeouts.first_byte_s,
             idle_timeout_s=settings.timeouts.idle_s,
             max_connections_per_worker=settings.limits.max_connections_per_worker,
+            max_head_bytes=settings.limits.max_response_head_bytes,
+            ssl_context=settings.tls.context(),
         )
         self.forwarder = Forwarder(
             fleet,
@@ -139,6 +141,7 @@ class RouterApp:
                 settings.timeouts.first_byte_slack,
                 settings.timeouts.output_token_allowance_s,
             ),
+            started_requests=settings.retry.started_requests,
         )
         self.pd = build_orchestrator(
             settings.pd,

@@ -3,8 +3,10 @@
 Layered as httpx layers ``send``: ``forward`` is the retry loop, ``_attempt`` one
 accounted call to one worker (``router.upstream.Call``), ``_relay_response`` the
 relay of its answer to the client. Retries happen only before any byte reached the
-client: on connect errors, timeouts waiting for the response head, and 502/503 from
-the worker.
+client: on connect errors and 502/503 from the worker; and where the worker may have
+begun on the request (it closed after the request was written, its first byte or token
+was late, its answer broke off unrelayed) only as ``started_requests`` allows, since a
+generation retried runs again while the first worker may go on with it unseen.
 """
 
 from __future__ import annotations
@@ -19,21 +21,23 @@ from starlette.types import Send
 
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
-from switchyard.net.errors import TransportError
+from switchyard.net.errors import InvalidHeader, TransportError
 from switchyard.net.httpclient import Response
 from switchyard.router.admission import Expected, TTFTModel
 from switchyard.router.errors import RouterError, engine_error_body
 from switchyard.router.kv import KVAwareness
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
-from switchyard.router.request import COMPLETIONS, RoutedRequest
+from switchyard.router.request import COMPLETIONS, EMBEDDINGS, RoutedRequest
 from switchyard.router.scheduler.framework import Context
-from switchyard.router.upstream import Call, Unsent
+from switchyard.router.upstream import Call, Unsent, may_have_started
 
 RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
 # Failures before the response head that another worker may well not have.
 _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
+# The routes whose requests generate nothing: retried even where a worker may have begun.
+_NON_GENERATING = frozenset({EMBEDDINGS})
 # max_tokens of a completion that omits it: the OpenAI API's default, which vLLM and SGLang
 # apply too (a chat's default is the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -125,10 +129,14 @@ class Forwarder:
         kv: KVAwareness | None = None,
         ttft_model: TTFTModel | None = None,
         deadlines: FirstByteDeadlines | None = None,
+        started_requests: str = "embeddings",
     ) -> None:
         """``deadlines``: when a worker's first byte is late enough to try another (None:
-        only the relay's first-byte timeout)."""
+        only the relay's first-byte timeout). ``started_requests`` (``never``,
+        ``embeddings``, ``always``): which requests a worker may have begun go to another
+        (``settings.Retry.started_requests``)."""
         self.fleet = fleet
+        self.started_requests = started_requests
         self.relay = relay
         self.metrics = metrics
         self.max_attempts = max(1, max_attempts)
@@ -154,6 +162,11 @@ class Forwarder:
         if self.kv is not None:
             await self.kv.placed(ctx, worker, rank)
         return rank
+
+    def retries_started(self, route: str) -> bool:
+        """Whether a request to ``route`` that a worker may have begun goes to another."""
+        mode = self.started_requests
+        return mode == "always" or (mode == "embeddings" and route in _NON_GENERATING)
 
     async def forward(
         self,
@@ -218,9 +231,12 @@ class Forwarder:
             prefill_tokens=queued_prefill(ctx, worker),
         )
         deadlines = self.deadlines
+        # A late worker is left for another only where the request may be run twice;
+        # else it has the whole cap.
+        again = self.retries_started(req.route)
         deadline_s = (
             deadlines.of(req, expected, self.relay.first_byte_timeout_s)
-            if deadlines is not None and others and not last
+            if deadlines is not None and others and not last and again
             else None
         )
         due = None if deadline_s is None else time.monotonic() + deadline_s
@@ -256,11 +272,21 @@ class Forwarder:
                 finally:
                     resp.close()
         except Unsent as unsent:
+            if not again:
+                raise self._upstream_error(unsent.cause, worker, answered=True) from None
             raise _Retry(
                 f"unsent_{call.outcome}", self._upstream_error(unsent.cause, worker, answered=True)
             ) from None
         except (UpstreamTimeout, TransportError, OSError) as exc:
-            if call.answered or call.outcome not in _RETRIED:
+            if isinstance(exc, InvalidHeader):
+                raise RouterError(
+                    400, f"Invalid request header: {exc}", code="invalid_header"
+                ) from None
+            if (
+                call.answered
+                or call.outcome not in _RETRIED
+                or (not again and may_have_started(exc))
+            ):
                 raise self._upstream_error(exc, worker, answered=call.answered) from None
             tried = {WORKER_HEADER.decode(): worker.id}
             if call.outcome is Outcome.TIMEOUT:

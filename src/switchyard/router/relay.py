@@ -8,11 +8,12 @@ forwarded as read.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 
 from starlette.types import Send
 
-from switchyard.net.httpclient import ConnectionPool, PieceWriter, Response
+from switchyard.net.httpclient import MAX_HEAD_BYTES, ConnectionPool, PieceWriter, Response
 
 # Headers that describe one connection, not the message: never forwarded either way.
 HOP_BY_HOP = frozenset(
@@ -33,7 +34,13 @@ HOP_BY_HOP = frozenset(
 
 
 class UpstreamTimeout(Exception):
-    """The worker did not answer (first byte) or went silent (between chunks) in time."""
+    """The worker did not answer (first byte) or went silent (between chunks) in time.
+
+    ``maybe_started``: the request had been written (a connect or pool timeout: not)."""
+
+    def __init__(self, message: str, *, maybe_started: bool = True) -> None:
+        super().__init__(message)
+        self.maybe_started = maybe_started
 
 
 class Relay:
@@ -44,17 +51,25 @@ class Relay:
         first_byte_timeout_s: float,
         idle_timeout_s: float,
         max_connections_per_worker: int = 0,
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``max_head_bytes``: a worker's answer head cap; ``ssl_context``: for https
+        workers (None: the default context)."""
         self.connect_timeout_s = connect_timeout_s
         self.first_byte_timeout_s = first_byte_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.max_connections_per_worker = max_connections_per_worker
+        self.max_head_bytes = max_head_bytes
+        self.ssl_context = ssl_context
         self._pool: ConnectionPool | None = None
 
     async def start(self) -> None:
         self._pool = ConnectionPool(
             connect_timeout_s=self.connect_timeout_s,
             max_per_origin=self.max_connections_per_worker,
+            max_head_bytes=self.max_head_bytes,
+            ssl_context=self.ssl_context,
         )
 
     async def stop(self) -> None:
@@ -76,8 +91,11 @@ class Relay:
         limit = self.first_byte_timeout_s if timeout_s is None else timeout_s
         try:
             return await self.pool.post(url, body, headers, limit)
-        except TimeoutError:
-            raise UpstreamTimeout(f"no response from {url} within {limit:.1f}s") from None
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"no response from {url} within {limit:.1f}s",
+                maybe_started=getattr(exc, "maybe_started", True),
+            ) from None
 
     async def first_chunk(self, resp: Response, timeout_s: float) -> bytes:
         """The first body chunk of a stream (b"" if the stream is empty), within ``timeout_s``."""

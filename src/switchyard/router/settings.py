@@ -147,11 +147,6 @@ class Retry(Group):
         "connect timeout, never written) and 502/503 answers are retried in any case",
     )
 
-    def retries_started(self, route: str) -> bool:
-        """Whether a request to ``route`` that a worker may have begun goes to another."""
-        mode = self.started_requests
-        return mode == "always" or (mode == "embeddings" and route == "/v1/embeddings")
-
 
 class TLS(Group):
     """How the router reaches https:// workers: whom it trusts and who it says it is."""

@@ -10,8 +10,12 @@ one classification of failures whichever path a request took:
   reachable and failed while answering, so an early re-probe would learn nothing);
 - a deadline passed (first byte, first token, idle stream, leg timeout): ``timeout``;
 - an answer with a 5xx status is ``server_error``, any other status ``success``;
-- cancelled (the client left, a sibling leg failed) or failed on our side:
-  ``client_abort``, which is not held against the worker.
+- cancelled (the client left, a sibling leg failed) or failed on our side (a header
+  the client gave that cannot be written): ``client_abort``, which is not held against
+  the worker.
+
+Apart from the outcome, ``may_have_started`` says whether the worker may have begun on
+the request, which decides whether another worker may be asked (``router.forward``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from types import TracebackType
 
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
-from switchyard.net.errors import ConnectError, TransportError
+from switchyard.net.errors import ConnectError, InvalidHeader, TransportError
 from switchyard.router.relay import UpstreamTimeout
 
 
@@ -39,6 +43,8 @@ def outcome_of(exc: BaseException, answered: bool) -> Outcome:
     The one place the transport's failures (``switchyard.net.errors``) become outcomes."""
     if isinstance(exc, Unsent):
         exc = exc.cause
+    if isinstance(exc, InvalidHeader):
+        return Outcome.CLIENT_ABORT
     if isinstance(exc, UpstreamTimeout | TimeoutError):
         return Outcome.TIMEOUT
     if answered:
@@ -48,6 +54,18 @@ def outcome_of(exc: BaseException, answered: bool) -> Outcome:
     if isinstance(exc, TransportError):
         return Outcome.SERVER_ERROR
     return Outcome.CLIENT_ABORT
+
+
+def may_have_started(exc: BaseException) -> bool:
+    """Whether the worker may have begun on a request that failed with ``exc``: once the
+    request was written it may have (a close with no answer, no first byte in time), and
+    an answer whose head came certainly has. Refused, a connect or pool timeout, a request
+    never written: it cannot have."""
+    if isinstance(exc, Unsent):
+        return True
+    if isinstance(exc, UpstreamTimeout | TransportError):
+        return exc.maybe_started
+    return False
 
 
 class Call:

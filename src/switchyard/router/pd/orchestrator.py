@@ -113,6 +113,8 @@ class PDOrchestrator:
             first_byte_timeout_s=head_s,
             idle_timeout_s=relay.idle_timeout_s,
             max_connections_per_worker=relay.max_connections_per_worker,
+            max_head_bytes=relay.max_head_bytes,
+            ssl_context=relay.ssl_context,
         )
         self.stream_forwarder = Forwarder(
             fleet,
@@ -123,6 +125,7 @@ class PDOrchestrator:
             backoff_max_s=forwarder.backoff_max_s,
             kv=forwarder.kv,
             ttft_model=forwarder.ttft_model,
+            started_requests=forwarder.started_requests,
         )
 
     async def start(self) -> None:
