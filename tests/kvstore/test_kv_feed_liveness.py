@@ -7,16 +7,21 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from pydantic import ValidationError
 
+from switchyard.kvstore.settings import KVStoreSettings
 from switchyard.kvstore.store import KVStore
 from switchyard.mock.engine.events import BlockStored, KVEventBatch
 from switchyard.mock.kvevents import KVEventPublisher, encode_batch
 from switchyard.net.zmtp import ZmtpOptions
 from switchyard.router.kv import EmbeddedPrefixes
+from switchyard.router.server import build_kvstore
+from switchyard.router.settings import RouterSettings
 from tests import zmtp_peer as peer
 from tests.support import eventually_async, free_port
 
@@ -202,3 +207,23 @@ async def test_a_subscription_dropped_while_stale_leaves_no_stale_gauge(store: K
     assert gauge(store) == 1 and disconnects(store, "lost") == 1
     await store.unsubscribe(endpoint)
     assert gauge(store) == 0 and not store.stale(E)
+
+
+def test_the_routers_kv_settings_reach_its_embedded_store(tmp_path: Path) -> None:
+    config = tmp_path / "switchyard.yaml"
+    config.write_text(
+        "router:\n  kv:\n    events_max_frame_bytes: 1024\n"
+        "    events_heartbeat_s: 0.5\n    events_heartbeat_timeout_s: 2\n"
+    )
+    settings = RouterSettings.load(config, workers=["http://127.0.0.1:9"])
+    store = build_kvstore(settings, config, wanted=True)
+    assert isinstance(store, KVStore)
+    assert store.zmtp == ZmtpOptions(max_frame_bytes=1024, heartbeat_s=0.5, heartbeat_timeout_s=2)
+
+
+def test_a_heartbeat_timeout_within_one_interval_is_refused_by_the_settings() -> None:
+    with pytest.raises(ValidationError, match="must exceed"):
+        KVStoreSettings.load(None, events_heartbeat_s=2.0, events_heartbeat_timeout_s=2.0)
+    with pytest.raises(ValidationError, match="must exceed"):
+        RouterSettings.load(None, workers=["http://127.0.0.1:9"], kv={"events_heartbeat_s": 3})
+    assert KVStoreSettings.load(None).zmtp() == ZmtpOptions()
