@@ -3,6 +3,7 @@ operations they become; the others apply those, and take the events over when it
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from switchyard.mock.kvevents import KVEventPublisher
 from switchyard.router.kv import TAKE_OVER_S, EmbeddedPrefixes
 from tests.kvstore.test_kv_ingest_live import TOKENS, joined, matched, publisher, stored
 from tests.router.test_kv_probe import processes
-from tests.support import eventually_async
+from tests.support import eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,6 +105,33 @@ async def test_when_the_following_process_ends_another_takes_the_events_over(
         await eventually_async(lambda: _following_itself(stores[1]), timeout_s=3 * TAKE_OVER_S)
         await store_three_blocks(pub, stores[1], stores[1])
         assert not stores[1].events_from_sibling
+
+
+async def test_a_feed_gone_stale_is_stale_in_every_process_until_it_resyncs(
+    tmp_path: Path,
+) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = KVEventPublisher(endpoint)
+    stores = subscribed_pair(endpoint)
+    try:
+        async with processes(tmp_path, stores):
+            await store_three_blocks(pub, stores[0], stores[1])
+            assert not stores[1].stale(E) and stores[1].expects_events(E)
+            pub.close()  # the engine's publisher went: the follower's feed is lost
+            await eventually_async(lambda: stores[1].stale(E))
+            assert stores[0].stale(E) and not stores[1].expects_events(E)
+
+            pub = KVEventPublisher(endpoint)  # back, its sequence started over
+
+            async def resynced() -> bool:
+                pub.publish(KVEventBatch(time.time(), [BlockRemoved([99])]))
+                await asyncio.sleep(0.02)  # the slow joiner's subscription is on its way
+                return not stores[1].stale(E)
+
+            await eventually_async(resynced)
+            assert not stores[0].stale(E) and stores[1].expects_events(E)
+    finally:
+        pub.close()
 
 
 async def _matches(store: KVStore, tokens: int) -> bool:

@@ -159,6 +159,10 @@ class KVStore:
         self.events_from_sibling = False
         # Told of the operations each applied event batch (or a feed's clear) became.
         self.on_ops: Callable[[str, int | None, list[Op]], None] | None = None
+        # Told when an instance's feeds go stale or resync, so processes that take the
+        # index operations from this one also stop trusting that instance's entries.
+        self.on_stale: Callable[[str, bool], None] | None = None
+        self._stale_from_sibling: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -407,8 +411,25 @@ class KVStore:
         return any(f.instance == instance for f in self._all_feeds())
 
     def stale(self, instance: str) -> bool:
-        """Whether a feed of ``instance`` lost its publisher and has not resynced yet."""
+        """Whether a feed of ``instance`` lost its publisher and has not resynced yet (here,
+        or in the sibling process that follows the events for this one)."""
+        if instance in self._stale_from_sibling:
+            return True
         return any(f.stale for f in self._subscribers_of(instance))
+
+    def stale_from_sibling(self, instance: str, stale: bool) -> None:
+        """The sibling process that follows the events found ``instance``'s feed stale, or
+        resynced."""
+        if stale:
+            self._stale_from_sibling.add(instance)
+        else:
+            self._stale_from_sibling.discard(instance)
+        self._show_stale(instance)
+
+    def stale_instances(self) -> list[str]:
+        """Every instance with a stale feed (for a sibling process that starts late)."""
+        feeds = {s.feed.instance for s in self._subscribers.values() if s.feed.stale}
+        return sorted(feeds | self._stale_from_sibling)
 
     def _subscribers_of(self, instance: str) -> list[Feed]:
         return [s.feed for s in self._subscribers.values() if s.feed.instance == instance]
@@ -563,8 +584,11 @@ class KVStore:
         )
 
     def _show_stale(self, instance: str) -> None:
+        stale = self.stale(instance)
         m = self.metrics
-        m.child(m.feed_stale, instance).set(1 if self.stale(instance) else 0)
+        m.child(m.feed_stale, instance).set(1 if stale else 0)
+        if self.on_stale is not None and not self.events_from_sibling:
+            self.on_stale(instance, stale)
 
     async def _on_frame(self, feed: Feed, seq: int, payload: bytes) -> None:
         verdict = feed.classify(seq)
@@ -663,6 +687,7 @@ class KVStore:
         if not self.events_from_sibling:
             return
         self.events_from_sibling = False
+        self._stale_from_sibling.clear()  # this process's own feeds say it from now on
         if self._started:
             for sub in self._subscribers.values():
                 sub.start()

@@ -41,6 +41,7 @@ OCCUPANCY_TTL_S = 0.1
 PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
 TOKENS = b"tokens"  # sibling-bus topic: a chat message another process tokenized
 OPS = b"kvops"  # sibling-bus topic: index operations the engines' events became
+STALE = b"kvstale"  # sibling-bus topic: an instance's event feed went stale or resynced
 # How often a process whose sibling follows the engines' events tries to take that over.
 TAKE_OVER_S = 1.0
 # How far behind the cache counters of a process that is not answering /metrics may be.
@@ -152,8 +153,12 @@ class EmbeddedPrefixes:
         multi-turn replay."""
         self._events_lock = ProcessLock(bus.directory / "kv-events.lock")
         bus.on(OPS, self._on_sibling_ops)
+        bus.on(STALE, self._on_sibling_stale)
         self.store.on_ops = lambda instance, size, ops: bus.publish(
             OPS, _pack_ops(instance, size, ops), lazy=True
+        )
+        self.store.on_stale = lambda instance, stale: bus.publish(
+            STALE, packb((instance, stale)), lazy=True
         )
         bus.on_join = lambda: self._send_snapshot(bus)
         if not self._events_lock.acquire():
@@ -169,6 +174,8 @@ class EmbeddedPrefixes:
             return
         for instance, block_size, ops in self.store.event_snapshot():
             bus.publish(OPS, _pack_ops(instance, block_size, ops), lazy=True)
+        for instance in self.store.stale_instances():
+            bus.publish(STALE, packb((instance, True)), lazy=True)
 
     async def _await_events_lock(self, lock: ProcessLock) -> None:
         while not lock.acquire():
@@ -177,6 +184,10 @@ class EmbeddedPrefixes:
 
     async def _on_sibling_ops(self, origin: str, payload: bytes) -> None:
         await self.store.apply_shared(*_unpack_ops(payload))
+
+    def _on_sibling_stale(self, origin: str, payload: bytes) -> None:
+        instance, stale = msgpack.unpackb(payload)
+        self.store.stale_from_sibling(instance, stale)
 
     def _share_tokens(self, model: str) -> Callable[[bytes, list[int]], None]:
         """Tell the other processes each chat message this one tokenizes: the next turn of a
