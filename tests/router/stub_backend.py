@@ -62,6 +62,12 @@ class StubReply:
     body: bytes = b""
     content_type: str = "text/plain"
     stream: AsyncIterator[bytes] | None = None  # sent chunked, instead of ``body``
+    raw: bytes | None = None  # written as is, instead of any head and body
+
+    @classmethod
+    def verbatim(cls, raw: bytes) -> StubReply:
+        """An answer written byte for byte (interim answers, broken heads)."""
+        return cls(raw=raw)
 
     @classmethod
     def json(cls, value: object, status: int = 200) -> StubReply:
@@ -245,6 +251,10 @@ async def _send_json(out: asyncio.StreamWriter, status: int, value: object) -> N
 
 
 async def _send_reply(out: asyncio.StreamWriter, reply: StubReply) -> None:
+    if reply.raw is not None:
+        out.write(reply.raw)
+        await out.drain()
+        return
     if reply.stream is None:
         out.write(_head(reply.status, reply.content_type, len(reply.body)) + reply.body)
         await out.drain()
