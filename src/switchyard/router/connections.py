@@ -24,10 +24,15 @@ descriptor for ever):
 - a connection idle ``keep_alive_s`` after an answer is closed;
 - beyond ``max_connections`` open connections, each request is answered 503
   (``too_many_connections``) and its connection closed;
-- a request head still incomplete after ``max_header_bytes`` is answered 431 and its
-  connection closed as the bytes arrive: httptools holds a header's bytes until the
-  header ends, so a huge header left to the app would be held whole in memory and
-  answered only once it had all arrived.
+- a request head (request line and headers together) beyond ``max_header_bytes`` is
+  answered 414 (its URL alone is beyond it) or 431, and its connection closed, as the
+  bytes arrive: httptools holds a header's bytes until the header ends, so a huge header
+  left to the app would be held whole in memory and answered only once it had all arrived.
+
+No protocol upgrades: a request with ``Upgrade`` is answered in HTTP/1.1 and the
+connection goes on in HTTP/1.1 (httptools stops at an upgrade request's head, so parsing
+resumes after it; one that declares a body is refused 400, because httptools leaves that
+body unparsed).
 """
 
 from __future__ import annotations
@@ -69,6 +74,12 @@ _STATUS_LINES = {
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# A request line's bytes besides its method and URL: two spaces, ``HTTP/1.1`` and CRLF.
+_REQUEST_LINE_REST = 12
+
+
+class _HeadRefused(Exception):
+    """Raised from a parser callback to stop parsing a head already answered 414/431."""
 
 
 @dataclass(frozen=True)
@@ -199,9 +210,11 @@ class Exchange:
         if not self.started:
             if kind != "http.response.start":
                 raise RuntimeError(f"Expected 'http.response.start', got {kind!r}")
-            self.started = True
             self.expect_100 = False
+            # Started only once the head is built: a head refused here (a header with CR or
+            # LF) is then answered 500 instead of a bare close.
             self.head = self._head(message["status"], message.get("headers", ()))
+            self.started = True
             return
         if self.complete:
             raise RuntimeError(f"Unexpected {kind!r} after the response completed")
@@ -278,6 +291,7 @@ class Exchange:
         return b"".join(parts)
 
     async def send_500(self) -> None:
+        self.chunked, self.length_left, self.head = None, 0, b""  # a refused head's framing
         body = error_body(500, "Internal router error", code="internal_error")
         headers = [
             (b"content-type", b"application/json"),
@@ -327,9 +341,13 @@ class ClientConnection(asyncio.Protocol):
         self._due = 0.0
         self._expired: Callable[[], None] = self._close_now
         # Bytes received since the current request head began (None: its head is complete;
-        # -1: refused as too large). Counted per read, so a read that also carries body
-        # bytes may count them: only a head still incomplete after the read is refused.
+        # -1: refused, the rest is dropped). Counted per read, so a read that also carries
+        # body bytes may count them: only a head still incomplete after the read is refused
+        # on this count; one that completes is measured when the read could hold too many.
         self._head_bytes: int | None = 0
+        self._measure_head = False
+        # A refusal held until the answers owed before it are written.
+        self._last_words: tuple[bytes, bool] | None = None
 
     # -- deadlines ---------------------------------------------------------------------
 
@@ -360,11 +378,46 @@ class ClientConnection(asyncio.Protocol):
         self._expired()
 
     def _head_too_slow(self) -> None:
-        if not self.transport.is_closing():
-            timeout = self.limits.header_timeout_s
-            message = f"The request head did not arrive within {timeout:g} s"
-            self.transport.write(_raw_error(408, message, "request_timeout"))
+        timeout = self.limits.header_timeout_s
+        message = f"The request head did not arrive within {timeout:g} s"
+        self._refuse(_raw_error(408, message, "request_timeout"), linger=False)
+
+    def _refuse(self, error: bytes, *, linger: bool) -> None:
+        """End the connection with ``error``, once the answers still owed to requests
+        before it are written (pipelined answers go out in order); bytes that arrive from
+        now on are dropped."""
+        self._head_bytes = -1
+        if self.transport.is_closing():
+            return
+        broken = self.reading
+        if broken is not None and broken.more_body and not broken.complete:
+            # In a request's body: that request will never be whole, so it is not owed an
+            # answer of its own (one already begun is cut by the close).
+            if broken is self.answering:
+                if broken.started:
+                    self.transport.close()
+                else:
+                    self._say(error, linger)
+                return
+            if self.pipeline and self.pipeline[-1][0] is broken:
+                self.pipeline.pop()
+                broken.scope["extensions"] = None  # the cycle ``_run`` would have broken
+        if self.answering is not None:
+            self._last_words = (error, linger)
+        else:
+            self._say(error, linger)
+
+    def _say(self, error: bytes, linger: bool) -> None:
+        """``error``, then a close: at once, or lingering: our side is shut at once, the
+        client's bytes are read and dropped for ``_LINGER_S`` (closing with them unread
+        would reset the connection, and the client could lose the answer)."""
+        self.transport.write(error)
+        if not linger:
             self.transport.close()
+            return
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm("linger", _LINGER_S, self.transport.close)
 
     def _close_now(self) -> None:
         if not self.transport.is_closing():
@@ -399,37 +452,61 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         head = self._head_bytes
-        if head is not None:
+        cap = self.limits.max_header_bytes
+        if head is None:  # a head that starts in this read has at most its bytes
+            self._measure_head = len(data) > cap
+        else:
             if head < 0:  # refused: the rest is read and dropped while we linger
                 return
-            self._head_bytes = head + len(data)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            pass  # no protocol upgrades: the request is answered in HTTP/1.1
-        except httptools.HttpParserError:
-            if not self.transport.is_closing():
-                error = _raw_error(400, "Invalid HTTP request", "invalid_request")
-                self.transport.write(error)
-                self.transport.close()
-            return
+            head += len(data)
+            self._head_bytes = head
+            self._measure_head = head > cap
+        self._parse(data)
         head = self._head_bytes
-        if head is not None and head > self.limits.max_header_bytes:
+        if head is not None and head > cap:
             self._head_too_large()
 
-    def _head_too_large(self) -> None:
-        """431, then a lingering close: our side is shut at once, the client's bytes are
-        read and dropped for ``_LINGER_S`` (closing with them unread would reset the
-        connection, and the client could lose the 431)."""
-        self._head_bytes = -1
-        if self.transport.is_closing():
+    def _parse(self, data: bytes) -> None:
+        while True:
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade as upgrade:
+                # No protocol upgrades: httptools stopped after the upgrade request's head,
+                # and what follows is more HTTP/1.1, unless the connection ends with this
+                # answer (as it does for an upgrade request with a body, which httptools
+                # leaves unparsed): then the rest is dropped.
+                exchange = self.reading
+                if exchange is None or not exchange.keep_alive:
+                    self._head_bytes = -1
+                    return
+                offset: int = upgrade.args[0]
+                if offset >= len(data):
+                    return
+                data = data[offset:]
+                continue
+            except (httptools.HttpParserError, _HeadRefused):
+                if self._head_bytes != -1:  # not refused already
+                    error = _raw_error(400, "Invalid HTTP request", "invalid_request")
+                    self._refuse(error, linger=False)
             return
+
+    def _head_size(self) -> int:
+        """The bytes of the head just parsed: request line and headers."""
+        size = len(self.url) + len(self.parser.get_method()) + _REQUEST_LINE_REST
+        for name, value in self.headers:
+            size += len(name) + len(value) + 4  # ": " and CRLF
+        return size
+
+    def _head_too_large(self) -> None:
+        """414 if the URL alone is past the cap, else 431, and a lingering close."""
         limit = self.limits.max_header_bytes
-        message = f"Request headers exceed {limit} bytes"
-        self.transport.write(_raw_error(431, message, "headers_too_large"))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self._arm("linger", _LINGER_S, self.transport.close)
+        if len(self.url) > limit:
+            message = f"The request URL exceeds {limit} bytes"
+            error = _raw_error(414, message, "url_too_long")
+        else:
+            message = f"Request headers exceed {limit} bytes"
+            error = _raw_error(431, message, "headers_too_large")
+        self._refuse(error, linger=True)
 
     def pause_writing(self) -> None:
         if self.write_paused is None:
@@ -470,6 +547,9 @@ class ClientConnection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self._measure_head and self._head_size() > self.limits.max_header_bytes:
+            self._head_too_large()
+            raise _HeadRefused
         self._head_bytes = None
         self._arm("body", self.limits.body_timeout_s, self._close_now)
         parser = self.parser
@@ -511,12 +591,21 @@ class ClientConnection(asyncio.Protocol):
         app: ASGIApp = self.app
         if cap and len(self.connections) > cap:
             app = _bound_over_capacity(self.limits.retry_after_s)
+        elif parser.should_upgrade() and self._declares_body():
+            exchange.keep_alive = False
+            app = _refuse_upgrade_with_body
         self.reading = exchange
         if self.answering is None:
             self._start(exchange, app)
         else:  # pipelined: answered in order, reading waits until this one's turn
             self.pipeline.append((exchange, app))
             self.pause_reading()
+
+    def _declares_body(self) -> bool:
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
+                return True
+        return False
 
     def on_body(self, body: bytes) -> None:
         exchange = self.reading
@@ -585,6 +674,8 @@ class ClientConnection(asyncio.Protocol):
         if self.pipeline:
             self._start(*self.pipeline.popleft())
             self.resume_reading()
+        elif self._last_words is not None:
+            self._say(*self._last_words)
         else:
             self.resume_reading()
             if self._head_bytes == 0 and not self._deadline_kind:
@@ -598,6 +689,19 @@ class ClientConnection(asyncio.Protocol):
             self.answering.keep_alive = False
             for exchange, _ in self.pipeline:
                 exchange.keep_alive = False
+
+
+async def _refuse_upgrade_with_body(scope: Scope, receive: Any, send: Any) -> None:
+    body = error_body(
+        400, "An Upgrade request with a body is not supported", code="invalid_request"
+    )
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _bound_over_capacity(retry_after_s: int) -> ASGIApp:
