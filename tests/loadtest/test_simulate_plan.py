@@ -9,7 +9,10 @@ import pytest
 from switchyard.loadtest.simplan import Objective, assumptions, plan, plan_split, splits
 from switchyard.loadtest.simulate import SimConfig, simulate
 
-BASE = SimConfig(workload="multiturn", workload_params={"rate": 120.0, "duration_s": 2.0})
+# Small engines (2000 KV blocks), so two seconds of arrivals need more than one of them.
+BASE = SimConfig(
+    workload="multiturn", workload_params={"rate": 120.0, "duration_s": 2.0}, num_gpu_blocks=2000
+)
 OBJECTIVE = Objective(ttft_p90_ms=200.0, tpot_p90_ms=30.0)
 
 

@@ -62,9 +62,15 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--num-gpu-blocks",
-    default=2000,
-    show_default=True,
-    help="KV blocks per engine (16 tokens each).",
+    type=int,
+    help="KV blocks per engine [default: the engine model's 29000 of 16 tokens, an 8B "
+    "model on one 80 GB GPU].",
+)
+@click.option(
+    "--max-model-len",
+    type=int,
+    help="Served context, tokens; longer requests get vLLM's 400 [default: 131072, "
+    "capped by one engine's KV cache].",
 )
 @click.option(
     "--speed",
@@ -105,7 +111,8 @@ def simulate_command(
     duration: float | None,
     max_tokens: int | None,
     param: tuple[str, ...],
-    num_gpu_blocks: int,
+    num_gpu_blocks: int | None,
+    max_model_len: int | None,
     speed: float,
     seed: int,
     slo_ttft_ms: float,
@@ -136,6 +143,7 @@ def simulate_command(
         policies=[p.strip() for p in policy.split(",") if p.strip()],
         seed=seed,
         num_gpu_blocks=num_gpu_blocks,
+        max_model_len=max_model_len,
         speed=speed,
         dp_size=dp,
         slo_ttft_ms=slo_ttft_ms,

@@ -23,6 +23,10 @@ def print_table(outcome: SimOutcome, console: Console) -> None:
         f"peak RSS {outcome.peak_rss_bytes / 2**20:.0f} MiB. No HTTP, client or router CPU "
         f"time is in these latencies; KV events are applied at the step that emits them."
     )
+    console.print(
+        f"engine: {outcome.engine.describe()}; {outcome.refused_too_long} request(s) refused "
+        f"as longer than that (vLLM's 400), counted as errors."
+    )
 
 
 def write_reports(outcome: SimOutcome, out: Path) -> list[Path]:

@@ -21,6 +21,12 @@ the decode leg on the first decode worker with the prompt's KV pulled (the engin
 the transfer); the prefill's held blocks are freed when the decode leg's first token comes.
 The client's TTFT is the decode leg's first token from the request's arrival.
 
+The engines are, unless told otherwise, the engine model's own: Llama-3.1-8B on one 80 GB
+H100 (``EngineConfig``: 29,000 KV blocks of 16 tokens) serving the model's 131,072-token
+context. A request whose prompt + output exceeds that context (capped by what one engine's
+KV cache holds) is refused before routing, as vLLM's API answers it with a 400; it counts as
+an error and in ``refused_too_long``, and the run goes on.
+
 What is not simulated: HTTP and client overheads, the router's own CPU time (the router
 here decides instantly), KV-event transport lag (events are applied at the step that
 emits them), the P/D decider (every request is disaggregated) and leg retries, probes,
@@ -49,7 +55,7 @@ from switchyard.loadtest.compare import MODEL, CompareConfig, Run
 from switchyard.loadtest.compare import Outcome as CompareOutcome
 from switchyard.loadtest.metrics import SLO, Summary, summarize
 from switchyard.loadtest.simworkload import SimWorkload, sim_workload
-from switchyard.mock.engine.api import EngineRequest
+from switchyard.mock.engine.api import EngineRequest, context_length_error
 from switchyard.mock.engine.config import EngineConfig
 from switchyard.mock.engine.events import KVEventBatch
 from switchyard.mock.engine.virtual import RequestResult, VirtualFleet
@@ -87,7 +93,10 @@ class SimConfig:
     policies: list[str] = field(default_factory=lambda: ["kv_aware", "round_robin"])
     policy_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
-    num_gpu_blocks: int | None = 2000
+    # KV blocks per engine; None: the engine model's (a realistic 8B engine, not a toy).
+    num_gpu_blocks: int | None = None
+    # The served context, tokens; None: the mock's (the model's own context length).
+    max_model_len: int | None = None
     # Workload seconds are wall seconds of a mock fleet at this speed (bench compare's --speed).
     speed: float = 1.0
     dp_size: int = 1
@@ -100,11 +109,57 @@ class SimConfig:
     # P/D: the first this many of ``engines`` prefill, the rest decode; 0 = unified workers.
     prefill_engines: int = 0
 
-    def engine_config(self) -> EngineConfig:
-        settings = MockSettings.load(
-            self.mock_config, num_gpu_blocks=self.num_gpu_blocks, seed=self.seed
+    def settings(self) -> MockSettings:
+        return MockSettings.load(
+            self.mock_config,
+            num_gpu_blocks=self.num_gpu_blocks,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
         )
-        return engine_config(settings)
+
+    def engine_config(self) -> EngineConfig:
+        return engine_config(self.settings())
+
+    def engine(self) -> SimEngine:
+        settings = self.settings()
+        config = engine_config(settings)
+        return SimEngine(
+            config.num_gpu_blocks,
+            config.block_size,
+            settings.max_model_len,
+            config.context_limit(settings.max_model_len),
+        )
+
+
+@dataclass(frozen=True)
+class SimEngine:
+    """Which engine is simulated: what a reader needs to judge the figures."""
+
+    num_gpu_blocks: int
+    block_size: int
+    max_model_len: int  # the model's context as configured
+    max_len: int  # what is served: the context, capped by one engine's KV cache
+
+    def refuses(self, prompt_tokens: int, max_tokens: int) -> bool:
+        return context_length_error(self.max_len, prompt_tokens, max_tokens) is not None
+
+    def describe(self) -> str:
+        capped = (
+            f" (one engine's KV cache; {self.max_model_len} configured)"
+            if self.max_len < self.max_model_len
+            else ""
+        )
+        return (
+            f"{self.num_gpu_blocks} KV blocks of {self.block_size} tokens per engine, "
+            f"max model len {self.max_len}{capped}"
+        )
+
+    def as_json(self) -> dict[str, int]:
+        return {
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.block_size,
+            "max_model_len": self.max_len,
+        }
 
 
 @dataclass
@@ -116,6 +171,7 @@ class PolicyRun:
     wall_s: float
     cpu_s: float  # this process's CPU time: on a shared machine, wall time measures the others
     decisions: int
+    refused_too_long: int = 0  # refused with vLLM's 400: prompt + output over the context
 
 
 @dataclass
@@ -123,6 +179,7 @@ class SimOutcome:
     config: SimConfig
     workload: SimWorkload
     ceiling: Ceiling
+    engine: SimEngine
     runs: list[PolicyRun] = field(default_factory=list)
     setup_wall_s: float = 0.0
     peak_rss_bytes: int = 0
@@ -139,6 +196,11 @@ class SimOutcome:
     def cpu_s(self) -> float:
         return sum(r.cpu_s for r in self.runs)
 
+    @property
+    def refused_too_long(self) -> int:
+        """Requests no engine could hold (the same in every run: it depends on the workload)."""
+        return max((r.refused_too_long for r in self.runs), default=0)
+
     def as_compare(self) -> CompareOutcome:
         """The same shape ``bench compare`` reports, so its table and JSON apply as they are."""
         cfg = self.config
@@ -147,7 +209,7 @@ class SimOutcome:
             workload=cfg.workload,
             policies=list(cfg.policies),
             workload_params=dict(cfg.workload_params),
-            num_gpu_blocks=cfg.num_gpu_blocks,
+            num_gpu_blocks=self.engine.num_gpu_blocks,
             speed=cfg.speed,
             seed=cfg.seed,
             repeats=1,
@@ -169,6 +231,8 @@ class SimOutcome:
             "prefill_engines": self.config.prefill_engines,
             "workload": self.workload.name,
             "requests": len(self.workload),
+            "engine": self.engine.as_json(),
+            "refused_too_long": self.refused_too_long,
             "sim_seconds": round(self.sim_s, 3),
             "wall_seconds": round(self.wall_s, 3),
             "cpu_seconds": round(self.cpu_s, 3),
@@ -184,6 +248,7 @@ class SimOutcome:
                     "goodput_rps": round(r.summary.goodput_rps, 3),
                     "load_spread": None if r.summary.spread is None else round(r.summary.spread, 3),
                     "errors": r.summary.errors,
+                    "refused_too_long": r.refused_too_long,
                     "sim_seconds": round(r.sim_s, 3),
                     "wall_seconds": round(r.wall_s, 3),
                     "cpu_seconds": round(r.cpu_s, 3),
@@ -380,8 +445,11 @@ class SimRouter:
 
 
 def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
-    """One policy over the whole workload; prompts are built as they arrive."""
+    """One policy over the whole workload; prompts are built as they arrive, and one that no
+    engine can hold is refused there and then (vLLM's 400), never reaching the router."""
     engine = cfg.engine_config()
+    shape = cfg.engine()
+    refused: list[Result] = []
     router = SimRouter(cfg, policy, engine.block_size)
     n = cfg.engines * cfg.dp_size
     fleet = VirtualFleet(
@@ -399,10 +467,14 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     router.output_token_ids = workload.output_token_ids
 
     def submit_next() -> None:
-        item = next(arrivals, None)
-        if item is None:
-            return
-        index, arrival_s, ids, max_tokens = item
+        while True:
+            item = next(arrivals, None)
+            if item is None:
+                return
+            index, arrival_s, ids, max_tokens = item
+            if not shape.refuses(len(ids), max_tokens):
+                break
+            refused.append(_refused(index, arrival_s, len(ids), shape.max_len))
         t = arrival_s * speed
         if not first:
             first.append(t)
@@ -436,6 +508,7 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
         ]
     else:
         results = [_result(r, speed) for r in legs.values()]
+    results.extend(refused)
     served = [0] * cfg.engines
     for r in fleet.results.values():
         served[r.engine_index // cfg.dp_size] += 1
@@ -445,7 +518,16 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     summary.engine_hit_rate = sum(s.prefix_cache_hits for s in stats) / queried if queried else None
     ttfts = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     sim_s = fleet.now - (first[0] if first else 0.0)
-    return PolicyRun(policy, summary, ttfts, sim_s, wall, cpu, router.decisions)
+    return PolicyRun(policy, summary, ttfts, sim_s, wall, cpu, router.decisions, len(refused))
+
+
+def _refused(index: int, arrival_s: float, prompt_tokens: int, max_len: int) -> Result:
+    """A client's record of a request the engine's API refused as longer than its context."""
+    res = Result(index, arrival_s)
+    res.status = 400
+    res.prompt_tokens = prompt_tokens
+    res.error = f"400: prompt + max_tokens over the {max_len}-token context"
+    return res
 
 
 def _client_view(prefill: RequestResult, decode: RequestResult | None) -> RequestResult:
@@ -502,13 +584,21 @@ def simulate(cfg: SimConfig, on_run: Callable[[PolicyRun], None] | None = None) 
     if not cfg.policies:
         raise ValueError("no policy given")
     started = time.perf_counter()
-    engine = cfg.engine_config()
+    engine = cfg.engine()
     for policy in cfg.policies:
         build_scheduler(policy, {"seed": cfg.seed, **cfg.policy_options}, block_size=16)
     workload = sim_workload(cfg.workload, cfg.seed, cfg.workload_params)
     capacity = cfg.engines * cfg.dp_size * engine.num_gpu_blocks
-    ceil = ceiling_of(workload.prompts, workload.output_lengths(), engine.block_size, capacity)
-    outcome = SimOutcome(cfg, workload, ceil, setup_wall_s=time.perf_counter() - started)
+    # The ceiling is of what can be served: a refused request caches nothing.
+    outputs = workload.output_lengths()
+    fits = [i for i, out in enumerate(outputs) if not engine.refuses(workload.prompt_len(i), out)]
+    ceil = ceiling_of(
+        lambda: (workload.prompt(i) for i in fits),
+        [outputs[i] for i in fits],
+        engine.block_size,
+        capacity,
+    )
+    outcome = SimOutcome(cfg, workload, ceil, engine, setup_wall_s=time.perf_counter() - started)
     for policy in cfg.policies:
         run = run_policy(cfg, workload, policy)
         outcome.runs.append(run)

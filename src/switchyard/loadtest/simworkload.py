@@ -68,6 +68,13 @@ class SimWorkload:
             ids.extend(range(start, start + n))
         return ids
 
+    def prompt_len(self, index: int) -> int:
+        """The prompt's length without building it."""
+        if self.prompts_list is not None:
+            return len(self.prompts_list[index])
+        row = self.rows[index]
+        return min(row.input_tokens, len(row.hash_ids) * self.block_tokens)
+
     def prompts(self) -> Iterator[list[int]]:
         return (self.prompt(i) for i in range(len(self)))
 
