@@ -215,8 +215,9 @@ class Forwarder:
         """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
         failed before the client saw a byte and another worker may try.
 
-        While a later attempt can go to another worker (``others`` and not ``last``), the
-        first byte must come within ``deadlines``; otherwise within the relay's cap."""
+        While a later attempt can go to another worker (``others``, not ``last``, and the
+        route's requests may be retried once begun), the first byte must come within
+        ``deadlines``; otherwise within the relay's cap."""
         expected = (
             self.ttft_model.expect(ctx, worker, req.stream) if self.ttft_model is not None else None
         )
