@@ -558,6 +558,50 @@ async def test_bare_lf_line_ends_are_refused(connect: Connect) -> None:
     assert conn.closed
 
 
+def held(path: str) -> tuple[App, asyncio.Event]:
+    """An app whose answer to ``path`` waits for the event; others answer at once."""
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await read_body(receive)
+        if scope["path"] == path:
+            await release.wait()
+        await respond(send, scope["path"].encode())
+
+    return app, release
+
+
+async def test_a_malformed_request_after_a_pipelined_one_is_refused_after_its_answer(
+    connect: Connect,
+) -> None:
+    """uvicorn writes its 400 and closes at once: the answer owed first is lost."""
+    conn = connect(echo_path)
+    conn.feed(SIMPLE_GET + INVALID_REQUEST_TEMPLATE % b"G?T / HTTP/1.1")
+    await conn.run_all()
+    assert conn.statuses() == conn.expect({"ours": [200, 400], "uvicorn": [400]})
+    assert conn.closed
+
+
+async def test_a_bad_chunk_in_a_pipelined_request_is_refused_after_the_answer_before(
+    connect: Connect,
+) -> None:
+    conn = connect(echo_path)
+    conn.feed(SIMPLE_GET + BAD_CHUNK_SIZE_POST)
+    await conn.run_all()
+    assert conn.statuses() == conn.expect({"ours": [200, 400], "uvicorn": [400]})
+    assert conn.closed
+
+
+async def test_a_connect_request_is_refused_or_answered_and_the_connection_goes_on(
+    connect: Connect,
+) -> None:
+    conn = connect(echo_path)
+    conn.feed(b"CONNECT example.org:443 HTTP/1.1\r\nHost: example.org:443\r\n\r\n" + SECOND_GET)
+    await conn.run_all()
+    assert conn.statuses() == [400]
+    assert conn.closed
+
+
 # -- sizes ------------------------------------------------------------------------------
 
 
@@ -881,6 +925,23 @@ async def test_a_silent_connection_is_answered_408_at_the_header_timeout(
 ) -> None:
     conn = connect(hello)
     conn.loop.advance(HEADER_TIMEOUT_S + 1)
+    assert conn.closed == (conn.kind == "ours")
+
+
+async def test_the_header_timeout_of_a_pipelined_head_waits_for_the_answer_before(
+    connect: Connect,
+) -> None:
+    """A slow answer is not cut by a 408 written into it: the 408 follows it."""
+    app, release = held("/slow")
+    conn = connect(app)
+    conn.feed(b"GET /slow HTTP/1.1\r\nHost: example.org\r\n\r\nGET /next HTTP/1.1\r\nHo")
+    running = asyncio.ensure_future(conn.run_all())
+    await asyncio.sleep(0)  # /slow now waits
+    conn.loop.advance(HEADER_TIMEOUT_S + 1)
+    assert conn.sent == b"" and not conn.closed
+    release.set()
+    await running
+    assert conn.statuses() == conn.expect({"ours": [200, 408], "uvicorn": [200]})
     assert conn.closed == (conn.kind == "ours")
 
 

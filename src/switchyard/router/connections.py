@@ -461,34 +461,42 @@ class ClientConnection(asyncio.Protocol):
             head += len(data)
             self._head_bytes = head
             self._measure_head = head > cap
-        self._parse(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            self._declined_upgrade(data, upgrade.args[0])
+        except (httptools.HttpParserError, _HeadRefused):
+            self._invalid()
+            return
         head = self._head_bytes
         if head is not None and head > cap:
             self._head_too_large()
 
-    def _parse(self, data: bytes) -> None:
+    def _declined_upgrade(self, data: bytes, offset: int) -> None:
+        """No protocol upgrades: httptools stopped after an upgrade request's head, and
+        what follows it is more HTTP/1.1, unless the connection ends with this answer (as
+        it does for an upgrade request with a body, which httptools leaves unparsed): then
+        the rest is dropped."""
         while True:
+            exchange = self.reading
+            if exchange is None or not exchange.keep_alive:
+                self._head_bytes = -1
+                return
+            data = data[offset:]
+            if not data:
+                return
             try:
                 self.parser.feed_data(data)
+                return
             except httptools.HttpParserUpgrade as upgrade:
-                # No protocol upgrades: httptools stopped after the upgrade request's head,
-                # and what follows is more HTTP/1.1, unless the connection ends with this
-                # answer (as it does for an upgrade request with a body, which httptools
-                # leaves unparsed): then the rest is dropped.
-                exchange = self.reading
-                if exchange is None or not exchange.keep_alive:
-                    self._head_bytes = -1
-                    return
-                offset: int = upgrade.args[0]
-                if offset >= len(data):
-                    return
-                data = data[offset:]
-                continue
+                offset = upgrade.args[0]
             except (httptools.HttpParserError, _HeadRefused):
-                if self._head_bytes != -1:  # not refused already
-                    error = _raw_error(400, "Invalid HTTP request", "invalid_request")
-                    self._refuse(error, linger=False)
-            return
+                self._invalid()
+                return
+
+    def _invalid(self) -> None:
+        if self._head_bytes != -1:  # not refused already
+            self._refuse(_raw_error(400, "Invalid HTTP request", "invalid_request"), linger=False)
 
     def _head_size(self) -> int:
         """The bytes of the head just parsed: request line and headers."""
