@@ -78,7 +78,7 @@ class ScriptedWorker:
         self.connections += 1
         try:
             while await self._request(reader):
-                script = self.answers.popleft() if self.answers else [OK]
+                script: list[Step] = self.answers.popleft() if self.answers else [OK]
                 if not await self._answer(script, writer):
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
