@@ -681,6 +681,10 @@ async def test_a_long_url_after_a_pipelined_request_is_refused_414(connect: Conn
     conn.feed(SIMPLE_GET + LONG_URL_GET)
     await conn.run_all()
     assert conn.statuses() == conn.expect({"ours": [200, 414], "uvicorn": [400]})
+    # Ours lingers: its side shut, the client's bytes read and dropped, then the close.
+    assert not conn.transport.read_paused
+    conn.loop.advance(3.0)
+    assert conn.closed
 
 
 # -- upgrades ---------------------------------------------------------------------------
@@ -943,6 +947,21 @@ async def test_the_header_timeout_of_a_pipelined_head_waits_for_the_answer_befor
     await running
     assert conn.statuses() == conn.expect({"ours": [200, 408], "uvicorn": [200]})
     assert conn.closed == (conn.kind == "ours")
+
+
+async def test_a_refusal_held_behind_a_slow_answer_is_not_replaced_by_a_408(
+    connect: Connect,
+) -> None:
+    app, release = held("/slow")
+    conn = connect(app)
+    conn.feed(b"GET /slow HTTP/1.1\r\n\r\n" + INVALID_REQUEST_TEMPLATE % b"G?T / HTTP/1.1")
+    running = asyncio.ensure_future(conn.run_all())
+    await asyncio.sleep(0)  # /slow now waits
+    conn.loop.advance(HEADER_TIMEOUT_S + 1)
+    release.set()
+    await running
+    assert conn.statuses() == conn.expect({"ours": [200, 400], "uvicorn": [400]})
+    assert conn.closed
 
 
 # -- shutdown ---------------------------------------------------------------------------

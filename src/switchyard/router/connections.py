@@ -403,6 +403,7 @@ class ClientConnection(asyncio.Protocol):
                 self.pipeline.pop()
                 broken.scope["extensions"] = None  # the cycle ``_run`` would have broken
         if self.answering is not None:
+            self._disarm()  # no head deadline now: a 408 would replace these last words
             self._last_words = (error, linger)
         else:
             self._say(error, linger)
@@ -417,6 +418,7 @@ class ClientConnection(asyncio.Protocol):
             return
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        self.resume_reading()  # paused while pipelined requests waited
         self._arm("linger", _LINGER_S, self.transport.close)
 
     def _close_now(self) -> None:
