@@ -536,7 +536,7 @@ async def test_an_ambiguous_or_foreign_request_is_refused_400_and_closed(
     assert conn.closed
 
 
-async def test_an_obsolete_line_folding_is_refused_or_unfolded(connect: Connect) -> None:
+async def test_an_obsolete_line_folding_is_refused_400(connect: Connect) -> None:
     headers: list[Any] = []
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -592,7 +592,7 @@ async def test_a_bad_chunk_in_a_pipelined_request_is_refused_after_the_answer_be
     assert conn.closed
 
 
-async def test_a_connect_request_is_refused_or_answered_and_the_connection_goes_on(
+async def test_a_connect_request_is_refused_400_and_closed(
     connect: Connect,
 ) -> None:
     conn = connect(echo_path)
@@ -630,6 +630,29 @@ async def test_a_whole_head_past_the_header_cap_in_one_read_is_refused_431(
         "uvicorn": b"HTTP/1.1 200 OK",
     }
     assert conn.status_lines() == [conn.expect(expected)]
+
+
+async def test_a_large_body_in_the_read_of_its_head_is_not_counted_as_head(
+    connect: Connect,
+) -> None:
+    conn = connect(echo)
+    body = b"x" * 100_000
+    conn.feed(b"POST / HTTP/1.1\r\nHost: example.org\r\nContent-Length: 100000\r\n\r\n" + body)
+    await conn.run_all()
+    assert conn.statuses() == [200]
+    assert conn.sent.endswith(b"Body: " + body)
+
+
+async def test_a_head_in_two_reads_with_a_large_body_in_the_second_is_served(
+    connect: Connect,
+) -> None:
+    conn = connect(echo)
+    body = b"x" * 100_000
+    conn.feed(b"POST / HTTP/1.1\r\nHost: example.org\r\nContent-Le")
+    conn.feed(b"ngth: 100000\r\n\r\n" + body)
+    await conn.run_all()
+    assert conn.statuses() == [200]
+    assert conn.sent.endswith(b"Body: " + body)
 
 
 async def test_a_head_just_under_the_header_cap_is_served(connect: Connect) -> None:
@@ -725,7 +748,7 @@ async def test_a_request_after_an_upgrade_request_in_a_later_read_is_answered(
     assert conn.sent.endswith(b"/second")
 
 
-async def test_an_upgrade_request_with_a_body_is_refused_or_served_whole(
+async def test_an_upgrade_request_with_a_body_is_refused_400(
     connect: Connect,
 ) -> None:
     """httptools stops parsing at the head of an upgrade request: its body and anything
@@ -929,6 +952,7 @@ async def test_a_silent_connection_is_answered_408_at_the_header_timeout(
 ) -> None:
     conn = connect(hello)
     conn.loop.advance(HEADER_TIMEOUT_S + 1)
+    assert conn.statuses() == conn.expect({"ours": [408], "uvicorn": []})
     assert conn.closed == (conn.kind == "ours")
 
 
