@@ -102,7 +102,9 @@ class Limits(Group):
     heading: ClassVar[str] = "Limits"
 
     max_header_bytes: int = Field(
-        default=32 * 1024, ge=1024, description="request header cap (431 beyond it)"
+        default=32 * 1024,
+        ge=1024,
+        description="cap on request line and headers (414 or 431 beyond it)",
     )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1, description="request body cap")
     max_client_connections: int = Field(
