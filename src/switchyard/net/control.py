@@ -22,4 +22,3 @@ def tls_context() -> ssl.SSLContext:
 def async_client(**options: Any) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` with the shared TLS context; ``options`` as httpx takes them."""
     return httpx.AsyncClient(verify=tls_context(), trust_env=False, **options)
-
