@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http
+import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -89,11 +90,16 @@ class _Cut(Exception):
 
 
 class StubBackend:
-    def __init__(self, route: Route | None = None, port: int = 0) -> None:
+    def __init__(
+        self, route: Route | None = None, port: int = 0, tls: ssl.SSLContext | None = None
+    ) -> None:
+        """``tls``: serve HTTPS with this server context."""
         self.state = StubState()
         self.route = route
         self.port = port  # 0 until first opened, then the same port on every reopening
-        self.url = f"http://127.0.0.1:{port}" if port else ""
+        self.tls = tls
+        self.scheme = "https" if tls is not None else "http"
+        self.url = f"{self.scheme}://127.0.0.1:{port}" if port else ""
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,9 +115,11 @@ class StubBackend:
         await self.close()
 
     async def open(self) -> None:
-        self._server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(
+            self._connection, "127.0.0.1", self.port, ssl=self.tls
+        )
         self.port = self._server.sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.scheme}://127.0.0.1:{self.port}"
 
     async def close(self) -> None:
         """Close the listener and every connection; safe to call twice."""

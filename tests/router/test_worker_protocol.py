@@ -200,3 +200,23 @@ async def test_a_worker_that_requires_a_client_certificate_gets_the_settings_one
 def test_a_key_file_without_its_certificate_is_refused() -> None:
     with pytest.raises(ValueError, match="--tls-key-file needs --tls-cert-file"):
         TLS(key_file="worker.key")
+
+
+async def test_a_router_reaches_and_probes_an_https_worker_with_its_tls_ca_file(
+    tmp_path: Path,
+) -> None:
+    cert_file, key_file = self_signed(tmp_path)
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert_file, key_file)
+    async with StubBackend(tls=server_context) as engine:
+        assert engine.url.startswith("https://")
+        async with running_router(
+            engine.url, config={"router": {"tls": {"ca_file": str(cert_file)}}}
+        ) as router:
+            r = await router.client.post(
+                "/v1/completions", json={"model": "stub-model", "prompt": "hi", "max_tokens": 4}
+            )
+            assert r.status_code == 200, r.text
+            assert r.headers["x-switchyard-worker"] == engine.url
+            health = await router.client.get("/health")
+            assert health.status_code == 200  # the balancer's probe trusted the worker too

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from functools import cache
@@ -56,9 +57,15 @@ class Fleet:
     """The set of workers a router may send to, and what it knows about each."""
 
     def __init__(
-        self, settings: BalancerSettings | None = None, specs: Iterable[WorkerSpec] = ()
+        self,
+        settings: BalancerSettings | None = None,
+        specs: Iterable[WorkerSpec] = (),
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        """``ssl_context``: how ``https://`` workers are probed (the router's ``tls``
+        settings; None: the system's CAs)."""
         self.settings = settings or BalancerSettings()
+        self.ssl_context = ssl_context
         self._workers: dict[str, Worker] = {}
         self._pools: dict[tuple[str | None, Role], list[Worker]] = {}
         self._listeners: list[Listener] = []

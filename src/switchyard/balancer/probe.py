@@ -90,7 +90,9 @@ class Prober:
 
     async def start(self) -> None:
         self._pool = ConnectionPool(
-            connect_timeout_s=self.settings.probe_timeout_s, keepalive_s=_KEEPALIVE_S
+            connect_timeout_s=self.settings.probe_timeout_s,
+            keepalive_s=_KEEPALIVE_S,
+            ssl_context=self.fleet.ssl_context,
         )
         for worker in self.fleet.workers():
             self.watch(worker)

@@ -68,7 +68,7 @@ def build_fleet(
         for spec in worker_specs(settings):
             remote.add(spec)
         return remote
-    fleet = Fleet(balancer, specs=worker_specs(settings))
+    fleet = Fleet(balancer, specs=worker_specs(settings), ssl_context=settings.tls.context())
     if siblings is not None:
         fleet.share_with_siblings(SiblingShare(fleet, siblings))
     return fleet
