@@ -2,7 +2,8 @@
 
 The knobs come in groups, each one value with its own repr (``settings.timeouts``,
 ``settings.limits``, ``settings.retry``, ``settings.tls``, ``settings.admission``,
-``settings.kv``, ``settings.pd``), so a reader sees the eight timeouts as one thing.
+``settings.kv``, ``settings.flow``, ``settings.pd``), so a reader sees the eight timeouts
+as one thing.
 """
 
 from __future__ import annotations
@@ -303,6 +304,107 @@ class KV(Group):
         return self
 
 
+class Flow(Group):
+    """Flow control: when every worker that could serve a request is saturated, it waits in
+    the router (by priority, then a fair share between tenants) rather than on an engine."""
+
+    heading: ClassVar[str] = "Flow control"
+
+    enabled: bool = Field(
+        default=True,
+        description="queue requests in the router while every candidate worker is saturated "
+        "(off: every request is routed at once, as without flow control)",
+    )
+    queue_depth: int = Field(
+        default=5,
+        ge=0,
+        description="a worker whose engine reports this many waiting requests is saturated",
+    )
+    kv_usage: float = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="a worker whose engine reports this KV cache usage (0..1) is saturated",
+    )
+    metrics_staleness_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="a busy worker whose engine metrics are older than this is saturated",
+    )
+    max_inflight_per_worker: int = Field(
+        default=0,
+        ge=0,
+        description="a worker with this many of this router's requests in flight is "
+        "saturated (0: no such bound)",
+    )
+    max_queued_prefill_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="a worker with this many of this router's prompt tokens not yet "
+        "prefilled is saturated (0: no such bound)",
+    )
+    max_requests_per_band: int = Field(
+        default=1000,
+        ge=1,
+        description="requests waiting per priority band; beyond, 429 queue_full",
+    )
+    max_bytes_per_band: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="request body bytes waiting per priority band; beyond, 429 queue_full",
+    )
+    queue_ttl_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="longest wait in the queue; beyond, 429 queue_timeout",
+    )
+    ordering: Literal["fcfs", "edf"] = Field(
+        default="fcfs",
+        description="order of one tenant's waiting requests: fcfs, or edf (earliest "
+        "x-slo-ttft-ms deadline first)",
+    )
+    output_weight: float = Field(
+        default=2.0,
+        ge=0,
+        description="fair share: an output token costs this many prompt tokens",
+        json_schema_extra=NO_FLAG,
+    )
+    half_life_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="fair share: a tenant's served tokens count half after this long",
+        json_schema_extra=NO_FLAG,
+    )
+    tenant_header: str | None = Field(
+        default=None,
+        description="trusted request header naming the tenant instead of the API key "
+        "(x-llm-d-inference-fairness-id is read as an alias); only behind a trusted proxy",
+    )
+    max_priority: dict[str, int] = Field(
+        default_factory=dict,
+        description="highest priority each tenant may ask for (tenant -> integer; '*' for "
+        "every other tenant); a higher x-priority is lowered to it",
+        json_schema_extra=NO_FLAG,
+    )
+    tenant_tokens_per_minute: dict[str, int] = Field(
+        default_factory=dict,
+        description="tokens (prompt and output) per minute each tenant may be served "
+        "(tenant -> integer; '*' for every tenant); beyond, 429 rate_limited",
+        json_schema_extra=NO_FLAG,
+    )
+    tenant_requests_per_minute: dict[str, int] = Field(
+        default_factory=dict,
+        description="requests per minute each tenant may send (tenant -> integer; '*' for "
+        "every tenant); beyond, 429 rate_limited",
+        json_schema_extra=NO_FLAG,
+    )
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lower_header(cls, value: str | None) -> str | None:
+        return value.lower() if value else None
+
+
 # Where each setting that moved into a group used to live, read for one release.
 MOVED = {
     "connect_timeout_s": "timeouts.connect_s",
@@ -442,6 +544,7 @@ class RouterSettings(ServiceSettings):
     tls: TLS = Field(default_factory=TLS)
     admission: Admission = Field(default_factory=Admission)
     kv: KV = Field(default_factory=KV)
+    flow: Flow = Field(default_factory=Flow)
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)
 
