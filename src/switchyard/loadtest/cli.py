@@ -12,7 +12,7 @@ import httpx
 
 from switchyard.core.cliopts import CliError
 
-WORKLOADS = "multiturn, shared_prefix, random or mooncake."
+WORKLOADS = "multiturn, shared_prefix, random, mooncake or noisy."
 
 
 def parse_params(items: Sequence[str] | None) -> dict[str, Any]:

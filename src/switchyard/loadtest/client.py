@@ -32,11 +32,15 @@ class Result:
 
     index: int
     sent_s: float
+    tenant: str = ""  # the request's, so results can be split by tenant
     ok: bool = False
     status: int = 0
     error: str = ""
+    # A refusal's ``Retry-After`` and ``x-switchyard-reason`` headers, as sent.
+    retry_after: str = ""
+    reason: str = ""
     ttft_s: float | None = None
-    e2e_s: float | None = None
+    e2e_s: float | None = None  # to the whole answer, an HTTP error's included
     done_s: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -62,14 +66,23 @@ async def _lines(resp: Response) -> AsyncIterator[bytes]:
         yield rest
 
 
-async def _one(pool: ConnectionPool, url: str, body: bytes, res: Result, timeout_s: float) -> None:
+async def _one(
+    pool: ConnectionPool,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    res: Result,
+    timeout_s: float,
+) -> None:
     """Send one request and measure its answer into ``res``, all within ``timeout_s``."""
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout_s):
-            r = await pool.post(url, body, _HEADERS)
+            r = await pool.post(url, body, headers)
             try:
                 if not await _read(r, res, start):
+                    if res.status:
+                        res.e2e_s = time.perf_counter() - start
                     return
             finally:
                 r.close()
@@ -86,6 +99,12 @@ async def _read(r: Response, res: Result, start: float) -> bool:
     """Read the answer's events into ``res`` as they arrive; False if it was an error."""
     res.status = r.status
     if r.status != 200:
+        for name, value in r.raw_headers:
+            lower = name.lower()
+            if lower == b"retry-after":
+                res.retry_after = value.decode("latin-1")
+            elif lower == b"x-switchyard-reason":
+                res.reason = value.decode("latin-1")
         text = (await r.read()).decode("utf-8", "replace")
         res.error = f"HTTP {r.status}: {text[:200]}"
         return False
@@ -130,6 +149,7 @@ async def replay(
     Each request, connecting included, has ``timeout_s`` in all."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
     bodies = [orjson.dumps(r.body(model)) for r in workload.requests]
+    keyed = {key: {**_HEADERS, "authorization": f"Bearer {key}"} for key in _keys(workload)}
     results: list[Result] = []
     pool = ConnectionPool(connect_timeout_s=timeout_s)  # as many connections as in flight
     try:
@@ -139,23 +159,30 @@ async def replay(
             delay = t0 + req.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            res = Result(req.index, time.perf_counter() - t0)
+            res = Result(req.index, time.perf_counter() - t0, req.tenant)
             results.append(res)
-            tasks.append(asyncio.create_task(_run(pool, url, body, res, timeout_s, on_done)))
+            headers = keyed[req.api_key] if req.api_key else _HEADERS
+            task = _run(pool, url, body, headers, res, timeout_s, on_done)
+            tasks.append(asyncio.create_task(task))
         await asyncio.gather(*tasks)
     finally:
         await pool.close()
     return results
 
 
+def _keys(workload: Workload) -> set[str]:
+    return {r.api_key for r in workload.requests if r.api_key}
+
+
 async def _run(
     pool: ConnectionPool,
     url: str,
     body: bytes,
+    headers: dict[str, str],
     res: Result,
     timeout_s: float,
     on_done: Callable[[Result], None] | None,
 ) -> None:
-    await _one(pool, url, body, res, timeout_s)
+    await _one(pool, url, body, headers, res, timeout_s)
     if on_done is not None:
         on_done(res)

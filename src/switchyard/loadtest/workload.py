@@ -19,6 +19,7 @@ class Request:
     max_tokens: int
     session: str = ""
     tenant: str = ""
+    api_key: str = ""  # sent as ``Authorization: Bearer``: the router names the tenant by it
 
     def body(self, model: str) -> dict[str, Any]:
         return {

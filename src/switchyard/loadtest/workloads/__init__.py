@@ -13,6 +13,7 @@ from typing import Any
 from switchyard.loadtest.workload import Workload
 from switchyard.loadtest.workloads.mooncake import MooncakeParams, mooncake
 from switchyard.loadtest.workloads.multiturn import MultiTurnParams, multiturn
+from switchyard.loadtest.workloads.noisy import NoisyParams, noisy
 from switchyard.loadtest.workloads.randomctl import RandomParams, random_prompts
 from switchyard.loadtest.workloads.sharedprefix import SharedPrefixParams, shared_prefix
 
@@ -21,6 +22,7 @@ WORKLOADS: dict[str, tuple[type, Callable[..., Workload]]] = {
     "shared_prefix": (SharedPrefixParams, shared_prefix),
     "random": (RandomParams, random_prompts),
     "mooncake": (MooncakeParams, mooncake),
+    "noisy": (NoisyParams, noisy),
 }
 
 
