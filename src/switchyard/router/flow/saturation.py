@@ -1,0 +1,57 @@
+"""Is a worker saturated: should a new request wait in the router rather than go to it?
+
+A request queued on a saturated engine gains nothing and loses the router's choices (band,
+fair share, deadline, a worker that frees up first), so the router holds it instead. The
+engine's own view (waiting requests, KV usage, scraped) is the main signal; the router's
+counters (in flight, prefill tokens not yet computed) add caps an operator can set.
+
+Work-conserving: a worker with nothing in flight from this router is never saturated,
+whatever its metrics say, so stale or missing metrics (or another client's load) cannot
+stall the queue for ever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from switchyard.balancer.worker import Worker
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """When a worker counts as saturated; a cap of 0 is off."""
+
+    queue_depth: int = 5  # engine's waiting requests (scraped): more than this is saturated
+    kv_usage: float = 0.8  # engine's KV cache usage (scraped), 0..1: more than this
+    metrics_staleness_s: float = 2.0  # older scrape = saturated (unless idle)
+    max_inflight: int = 0  # router-side in-flight requests per worker (0: off)
+    max_queued_prefill_tokens: int = 0  # router-side prefill tokens not yet computed (0: off)
+
+
+def saturated(worker: Worker, thresholds: Thresholds, now: float) -> bool:
+    """Whether ``worker`` should take no new request now (``now`` on the monotonic clock).
+
+    Called for every candidate on the fast path, so it only reads attributes.
+    """
+    if not worker.healthy or worker.draining:
+        return True
+    inflight = worker.inflight
+    if inflight <= 0:
+        return False
+    if thresholds.max_inflight and inflight >= thresholds.max_inflight:
+        return True
+    if thresholds.max_queued_prefill_tokens:
+        totals = worker.totals
+        queued = totals.prefill_tokens + totals.remote_prefill_tokens
+        if queued >= thresholds.max_queued_prefill_tokens:
+            return True
+    engine = worker.engine
+    if engine is None:
+        return False
+    scraped_at = worker.scraped_at
+    if scraped_at is None or now - scraped_at > thresholds.metrics_staleness_s:
+        return True
+    if engine.waiting > thresholds.queue_depth:
+        return True
+    kv = engine.kv_usage
+    return kv is not None and kv > thresholds.kv_usage

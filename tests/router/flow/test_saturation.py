@@ -1,0 +1,101 @@
+"""When a worker is saturated: each threshold alone, stale metrics, the work-conserving rule
+(nothing in flight: never saturated), never-scraped workers, unhealthy and draining."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchyard.balancer.settings import BalancerSettings
+from switchyard.balancer.worker import EngineSample, Worker, WorkerSpec
+from switchyard.router.flow.saturation import Thresholds, saturated
+
+NOW = 1000.0
+DEFAULTS = Thresholds()
+
+
+def worker(
+    *,
+    inflight: int = 1,
+    waiting: int | None = 0,
+    kv: float | None = 0.1,
+    scraped_ago: float | None = 0.5,
+    prefill: int = 0,
+    remote_prefill: int = 0,
+) -> Worker:
+    """A worker as the fleet leaves it; ``waiting=None``: never scraped."""
+    w = Worker(WorkerSpec("http://127.0.0.1:1", models=["m"]), BalancerSettings())
+    w.inflight = inflight
+    w.totals.prefill_tokens = prefill
+    w.totals.remote_prefill_tokens = remote_prefill
+    if waiting is not None:
+        w.engine = EngineSample(running=inflight, waiting=waiting, kv_usage=kv)
+        w.scraped_at = None if scraped_ago is None else NOW - scraped_ago
+    return w
+
+
+def test_a_busy_worker_under_every_threshold_is_not_saturated() -> None:
+    assert not saturated(worker(inflight=3, waiting=5, kv=0.8), DEFAULTS, NOW)
+
+
+def test_more_engine_waiting_than_the_queue_depth_saturates() -> None:
+    assert saturated(worker(waiting=6), DEFAULTS, NOW)
+    assert saturated(worker(waiting=2), Thresholds(queue_depth=1), NOW)
+
+
+def test_kv_usage_above_the_threshold_saturates() -> None:
+    assert saturated(worker(kv=0.81), DEFAULTS, NOW)
+    assert not saturated(worker(kv=0.81), Thresholds(kv_usage=0.9), NOW)
+
+
+def test_an_engine_that_does_not_report_kv_usage_is_judged_on_the_rest() -> None:
+    assert not saturated(worker(kv=None), DEFAULTS, NOW)
+
+
+def test_stale_metrics_saturate_a_worker_with_work_in_flight() -> None:
+    assert saturated(worker(scraped_ago=2.5), DEFAULTS, NOW)
+    assert not saturated(worker(scraped_ago=2.5), Thresholds(metrics_staleness_s=3.0), NOW)
+    assert saturated(worker(scraped_ago=None), DEFAULTS, NOW)
+
+
+def test_router_in_flight_cap_saturates_only_when_set() -> None:
+    assert not saturated(worker(inflight=50), DEFAULTS, NOW)
+    assert saturated(worker(inflight=4), Thresholds(max_inflight=4), NOW)
+    assert not saturated(worker(inflight=3), Thresholds(max_inflight=4), NOW)
+
+
+def test_queued_prefill_tokens_cap_counts_peers_too() -> None:
+    cap = Thresholds(max_queued_prefill_tokens=8000)
+    assert not saturated(worker(prefill=5000), cap, NOW)
+    assert saturated(worker(prefill=5000, remote_prefill=3000), cap, NOW)
+    assert not saturated(worker(prefill=10**6), DEFAULTS, NOW)
+
+
+@pytest.mark.parametrize(
+    "idle",
+    [
+        worker(inflight=0, waiting=50),
+        worker(inflight=0, kv=1.0),
+        worker(inflight=0, scraped_ago=3600.0),
+        worker(inflight=0, prefill=10**6),
+    ],
+)
+def test_a_worker_with_nothing_in_flight_is_never_saturated(idle: Worker) -> None:
+    strict = Thresholds(queue_depth=0, kv_usage=0.0, max_inflight=1, max_queued_prefill_tokens=1)
+    assert not saturated(idle, strict, NOW)
+
+
+def test_a_never_scraped_worker_is_judged_on_router_counters_only() -> None:
+    never = worker(inflight=3, waiting=None)
+    assert never.engine is None
+    assert not saturated(never, DEFAULTS, NOW)
+    assert saturated(never, Thresholds(max_inflight=3), NOW)
+    assert saturated(worker(waiting=None, prefill=9), Thresholds(max_queued_prefill_tokens=9), NOW)
+
+
+def test_unhealthy_or_draining_workers_take_nothing_even_when_idle() -> None:
+    sick = worker(inflight=0)
+    sick.healthy = False
+    leaving = worker(inflight=0)
+    leaving.draining = True
+    assert saturated(sick, DEFAULTS, NOW)
+    assert saturated(leaving, DEFAULTS, NOW)
