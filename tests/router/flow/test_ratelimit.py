@@ -14,6 +14,7 @@ from redis.exceptions import RedisError
 from switchyard.balancer.siblings import SiblingBus
 from switchyard.router.flow.ratelimit import (
     DEFAULT_MAX_TOKENS,
+    PRUNE_AT,
     Apply,
     RateLimited,
     RateLimits,
@@ -72,7 +73,7 @@ def test_the_star_limits_every_tenant_not_named_and_a_zero_exempts_one() -> None
     assert rl.reserve("admin", 10**6, 10**6) is None
 
 
-def test_no_limits_at_all_is_not_enabled() -> None:
+def test_limits_that_are_all_zero_limit_nobody() -> None:
     assert not RateLimits().enabled
     assert not RateLimits({"*": 0}, {"a": 0}).enabled
     assert RateLimits({}, {"a": 5}).enabled
@@ -188,6 +189,17 @@ def test_a_request_larger_than_a_minutes_budget_waits_for_a_full_bucket_not_for_
     clock.now += 2
     assert rl.reserve("a", 2 * TPM, 0) is not None
     assert available(rl)[0] == -TPM, "the debt is bounded by one bucket"
+
+
+def test_buckets_of_tenants_whose_budget_refilled_are_dropped_once_there_are_many() -> None:
+    clock = Clock()
+    rl = limiter({"*": TPM}, clock=clock)
+    for n in range(PRUNE_AT):
+        assert rl.reserve(f"t{n}", 10, 0) is not None
+    assert len(rl) == PRUNE_AT
+    clock.now += 1  # long enough to refill 10 tokens
+    assert rl.reserve("busy", 10, 0) is not None
+    assert len(rl) == 1
 
 
 # Shared budgets
@@ -376,6 +388,8 @@ async def test_a_replica_keeps_its_limit_while_redis_is_down_and_sends_its_count
     assert a.reserve("a", 3000, 0) is not None
     with pytest.raises(RedisError):
         await sa.sync()
+    with pytest.raises(RateLimited):
+        a.reserve("a", 4000, 0)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     with redis_server(port):
         try:

@@ -81,6 +81,7 @@ class RateLimits:
 
     @property
     def enabled(self) -> bool:
+        """Whether some tenant is limited (else no limiter is needed at all)."""
         return any(self.tokens_per_minute.values()) or any(self.requests_per_minute.values())
 
 
@@ -215,6 +216,10 @@ class TenantRateLimiter:
         self._apply(reservation.tenant, -reservation.tokens, -1)
         if self.share is not None:
             self.share.consumed(reservation.tenant, -reservation.tokens, -1)
+
+    def __len__(self) -> int:
+        """Tenants whose buckets are held (a full one is dropped when many are)."""
+        return len(self._buckets)
 
     def available(self, tenant: str) -> tuple[float, float] | None:
         """(tokens, requests) ``tenant`` may spend now; None when it has no limit."""
