@@ -1,0 +1,301 @@
+"""Fairness under a noisy neighbour: a quiet tenant's TTFT while another tenant floods.
+
+A slowed mock fleet (``switchyard mock-fleet --speed``) serves the ``noisy`` workload
+through each router target in turn: Switchyard (its default flags plus the two tenants'
+keys, ``--api-key A:KEY,B:KEY``), smg ``cache_aware`` and smg ``round_robin`` (given the
+same keys with ``--tenant-api-key``). Per target and repeat, each on a fresh router over
+an idle fleet:
+
+  (a) solo    tenant B alone: short chats at ``--quiet-share`` of the fleet's capacity;
+  (b) flood   the same B requests, beside tenant A's long prompts at ``--flood-x`` times
+              the fleet's prefill capacity.
+
+The fleet's prefill capacity comes from the mock's timing model, not a calibration run:
+a step of ``max_num_batched_tokens`` prompt tokens takes ``step_base_us +
+prefill_token_us * max_num_batched_tokens`` model microseconds, divided by ``--speed``
+in wall time; A's request rate at capacity is that over A's mean prompt length. B sends
+the same number of requests a second as ``--quiet-share`` of that rate, so its share of
+the fleet's tokens is far smaller still.
+
+Printed per target (medians over ``--repeats``, targets in alternating order):
+  B solo p90          B's TTFT p90 alone, ms
+  B p50 / p90         B's TTFT beside the flood, ms
+  /solo, /smg         B's flood p90 over its solo p90, and over smg cache_aware's flood p90
+  A share             A's answered prompt+output tokens a second (its first send to its
+                      last answer) over the fleet's prefill capacity
+  refused             429/503 answers (A/B); refusal max ms: the slowest of them, which
+                      should be under 1 s, each with a Retry-After (``no RA``: without)
+  lost                sent - answered - refused, over both runs; must be 0
+
+Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--duration 20] [--repeats 3]
+                               [--flood-x 3] [--quiet-share 0.2] [--no-smg]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import statistics
+import sys
+import time
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
+
+from switchyard.loadtest.client import Result, replay
+from switchyard.loadtest.fleet import Engine, MockFleet
+from switchyard.loadtest.metrics import percentile
+from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
+from switchyard.loadtest.workload import Workload
+from switchyard.loadtest.workloads.noisy import NoisyParams, noisy
+from switchyard.mock.engine.config import EngineConfig
+from tools.worktree import worktree
+
+MODEL = "mock-model"
+OURS = "switchyard"
+SMG = "smg:cache_aware"
+REFUSED = (429, 503)
+
+
+@dataclass(frozen=True)
+class KeyedSpec(RouterSpec):
+    """A router config with flags of its own after the usual ones (the tenants' keys)."""
+
+    extra: tuple[str, ...] = ()
+
+    def command(self, engines: list[Engine], port: int, tokenizer: str) -> list[str]:
+        return [*super().command(engines, port, tokenizer), *self.extra]
+
+
+def targets(p: NoisyParams, with_smg: bool) -> list[KeyedSpec]:
+    ours = ("--api-key", f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}")
+    specs = [KeyedSpec(OURS, "switchyard", "kv_aware", extra=ours)]
+    if with_smg and shutil.which("smg"):
+        keys = (
+            "--tenant-api-key", f"{p.flood_tenant}:{p.flood_key}",
+            "--tenant-api-key", f"{p.quiet_tenant}:{p.quiet_key}",
+        )  # fmt: skip
+        specs += [KeyedSpec(f"smg:{policy}", "smg", policy, extra=keys) for policy in
+                  ("cache_aware", "round_robin")]  # fmt: skip
+    return specs
+
+
+def prefill_capacity(engines: int, speed: float) -> float:
+    """The fleet's prompt tokens a wall second at full steps, from the mock's timing model."""
+    c = EngineConfig()
+    step_s = (c.step_base_us + c.prefill_token_us * c.max_num_batched_tokens) / 1e6
+    return engines * speed * c.max_num_batched_tokens / step_s
+
+
+@dataclass
+class Run:
+    """What one replay measured."""
+
+    results: list[Result]
+    capacity: float  # fleet prefill tokens a second
+    flood_tenant: str
+    quiet_tenant: str
+
+    def of(self, tenant: str) -> list[Result]:
+        return [r for r in self.results if r.tenant == tenant]
+
+    def quiet_ttft_ms(self, q: float) -> float | None:
+        v = percentile([r.ttft_s for r in self.of(self.quiet_tenant) if r.ttft_s is not None], q)
+        return None if v is None else v * 1e3
+
+    @property
+    def refused(self) -> list[Result]:
+        return [r for r in self.results if r.status in REFUSED]
+
+    @property
+    def lost(self) -> int:
+        return len(self.results) - sum(1 for r in self.results if r.ok) - len(self.refused)
+
+    @property
+    def flood_share(self) -> float:
+        flood = self.of(self.flood_tenant)
+        done = [r for r in flood if r.ok and r.done_s is not None]
+        if not done:
+            return 0.0
+        span = max(r.done_s or 0.0 for r in done) - min(r.sent_s for r in flood)
+        tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
+        return tokens / span / self.capacity if span > 0 else 0.0
+
+
+@dataclass
+class Cell:
+    """One target's figures over the repeats."""
+
+    solo_p90: list[float] = field(default_factory=list)
+    p50: list[float] = field(default_factory=list)
+    p90: list[float] = field(default_factory=list)
+    share: list[float] = field(default_factory=list)
+    refused_a: list[int] = field(default_factory=list)
+    refused_b: list[int] = field(default_factory=list)
+    refusal_max_ms: list[float] = field(default_factory=list)
+    no_retry_after: int = 0
+    lost: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+    def add(self, solo: Run, flood: Run) -> None:
+        for run, xs in ((solo, self.solo_p90), (flood, self.p90)):
+            v = run.quiet_ttft_ms(90)
+            if v is not None:
+                xs.append(v)
+        if (v := flood.quiet_ttft_ms(50)) is not None:
+            self.p50.append(v)
+        self.share.append(flood.flood_share)
+        refused = flood.refused
+        self.refused_a.append(sum(1 for r in refused if r.tenant == flood.flood_tenant))
+        self.refused_b.append(sum(1 for r in refused if r.tenant == flood.quiet_tenant))
+        times = [r.e2e_s for r in [*solo.refused, *refused] if r.e2e_s is not None]
+        if times:
+            self.refusal_max_ms.append(max(times) * 1e3)
+        for r in [*solo.refused, *refused]:
+            self.no_retry_after += not r.retry_after
+            self.reasons[f"{r.status} {r.reason or '-'}"] += 1
+        self.lost += solo.lost + flood.lost
+        for r in [*solo.results, *flood.results]:
+            if not r.ok and r.status not in REFUSED:
+                self.errors[r.error[:80]] += 1
+
+
+def median(xs: list[float] | list[int]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def run_case(
+    fleet: MockFleet, spec: KeyedSpec, workload: Workload, timeout_s: float
+) -> list[Result]:
+    """One replay through a fresh router over an idle fleet with empty caches."""
+    fleet.reset(timeout_s=timeout_s)
+    with start_router(spec, fleet.engines, timeout_s=90.0) as router:
+        time.sleep(1.0)  # its first probe and scrape of every engine
+        return asyncio.run(replay(router.url, workload, MODEL, timeout_s))
+
+
+def fmt(x: float | None, spec: str = ".0f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(cells: dict[str, Cell], header: str) -> None:
+    print(header)
+    head = (
+        "| target | B solo p90 ms | B p50 ms | B p90 ms | B p90/solo | B p90/smg | A share "
+        "| refused A/B | refusal max ms | no RA | lost |"
+    )
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
+    smg_p90 = median(cells[SMG].p90) if SMG in cells else None
+    for label, c in cells.items():
+        solo, p90 = median(c.solo_p90), median(c.p90)
+        vs_solo = p90 / solo if p90 is not None and solo else None
+        vs_smg = p90 / smg_p90 if p90 is not None and smg_p90 else None
+        refused = f"{fmt(median(c.refused_a))}/{fmt(median(c.refused_b))}"
+        print(
+            f"| {label} | {fmt(solo)} | {fmt(median(c.p50))} | {fmt(p90)} "
+            f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(median(c.share), '.2f')} "
+            f"| {refused} | {fmt(max(c.refusal_max_ms, default=None))} | {c.no_retry_after} "
+            f"| {c.lost} |"
+        )
+    for label, c in cells.items():
+        if c.reasons:
+            print(f"{label} refusals: " + ", ".join(f"{k} x{n}" for k, n in c.reasons.items()))
+        if c.errors:
+            print(f"{label} other errors: " + "; ".join(f"{k} x{n}" for k, n in c.errors.items()))
+    for label, c in cells.items():
+        slow = max(c.refusal_max_ms, default=0.0) >= 1000.0
+        checks = {"lost 0": c.lost == 0, "refusals < 1 s with Retry-After": not slow}
+        checks["refusals < 1 s with Retry-After"] &= c.no_retry_after == 0
+        print(f"{label}: " + ", ".join(f"{k} {'ok' if v else 'FAIL'}" for k, v in checks.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--speed", type=float, default=0.1, help="mock time compression")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--flood-x", type=float, default=3.0, help="A's rate / capacity")
+    parser.add_argument("--quiet-share", type=float, default=0.2, help="B's rate / capacity")
+    parser.add_argument("--no-smg", action="store_true", help="only our router")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--rev", help="run our router from this git revision (a temporary worktree)"
+    )
+    args = parser.parse_args()
+    if args.flood_x < 3.0 or args.quiet_share > 0.2:
+        print(
+            "note: the comparison asks for --flood-x >= 3 and --quiet-share <= 0.2", file=sys.stderr
+        )
+
+    capacity = prefill_capacity(args.engines, args.speed)
+    base = NoisyParams(duration_s=args.duration, quiet_share=args.quiet_share)
+    mean_prompt = sum(base.flood_prompt_tokens) / 2
+    rate = capacity / mean_prompt
+    params = NoisyParams(**{**vars(base), "rate": rate, "flood_x": args.flood_x})
+    flood = noisy(args.seed, params)
+    solo = noisy(args.seed, NoisyParams(**{**vars(params), "flood_x": 0.0}))
+    # Everything A sent is served within flood_x durations at capacity, by a router that
+    # refuses nothing; a request still unanswered after that, and a margin, is lost.
+    timeout_s = (args.flood_x + 1.0) * args.duration + 60.0
+    header = (
+        f"fleet: {args.engines} mock engines at speed {args.speed}; prefill capacity "
+        f"{capacity:,.0f} tokens/s (timing model) = {rate:.2f} A requests/s of "
+        f"{mean_prompt:.0f} tokens. A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
+        f"B at {args.quiet_share} of it ({args.quiet_share * rate:.2f}/s, "
+        f"{len(solo.requests)} requests), {args.duration:.0f} s, {args.repeats} repeat(s), "
+        f"seed {args.seed}"
+    )
+    print(header, file=sys.stderr)
+    with ExitStack() as stack:
+        specs = targets(params, not args.no_smg)
+        if args.rev:
+            code = worktree(stack, args.rev)
+            specs[0] = replace(specs[0], label=f"{OURS} {args.rev}", code=code)
+        fleet = stack.enter_context(MockFleet(args.engines, speed=args.speed, seed=args.seed))
+        cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
+    report(cells, header)
+
+
+def run_all(
+    fleet: MockFleet,
+    specs: list[KeyedSpec],
+    solo: Workload,
+    flood: Workload,
+    params: NoisyParams,
+    capacity: float,
+    args: argparse.Namespace,
+    timeout_s: float,
+) -> dict[str, Cell]:
+    """Every target's solo and flood runs, ``args.repeats`` times in alternating order."""
+    cells = {s.label: Cell() for s in specs}
+    for repeat in range(args.repeats):
+        for spec in list(specs) if repeat % 2 == 0 else list(reversed(specs)):
+            began = time.perf_counter()
+            try:
+                runs = [
+                    Run(run_case(fleet, spec, w, timeout_s), capacity,
+                        params.flood_tenant, params.quiet_tenant)
+                    for w in (solo, flood)
+                ]  # fmt: skip
+            except Unavailable as exc:
+                print(f"{spec.label}: unavailable: {exc}", file=sys.stderr)
+                specs.remove(spec)
+                cells.pop(spec.label, None)
+                continue
+            cells[spec.label].add(*runs)
+            r = runs[1]
+            print(
+                f"{spec.label} repeat {repeat + 1}: flood sent {len(r.results)}, "
+                f"ok {sum(x.ok for x in r.results)}, refused {len(r.refused)}, "
+                f"lost {r.lost}; {time.perf_counter() - began:.0f} s",
+                file=sys.stderr,
+            )
+    return cells
+
+
+if __name__ == "__main__":
+    main()
