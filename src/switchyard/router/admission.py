@@ -57,6 +57,13 @@ _Q_STEP = 0.05
 _Q_BOUNDS = (0.25, 4.0)
 _POLL_S = 0.01
 PRIORITIES = ("high", "normal", "low")
+
+
+def priority_name(priority: int) -> str:
+    """SLO admission's name for a flow-control band: above 0 high, 0 normal, below low."""
+    return "high" if priority > 0 else "normal" if priority == 0 else "low"
+
+
 STREAM, WHOLE = "stream", "whole"
 # Calibration canaries: prompt sizes (words of random hex, about one token each).
 SHORT_CANARY_WORDS = 16

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.types import Message, Receive, Scope, Send
 
@@ -25,14 +25,28 @@ from switchyard.core.auth import data_access
 from switchyard.kvstore.remote import RemoteKVStore
 from switchyard.kvstore.store import KVStore
 from switchyard.net.httpclient import PieceWriter
-from switchyard.router.admission import PRIORITIES, Admission, TTFTModel
+from switchyard.router.admission import PRIORITIES, Admission, TTFTModel, priority_name
 from switchyard.router.connections import CLIENT_GONE, STREAM_WRITER
 from switchyard.router.control import build_control_app
 from switchyard.router.errors import RouterError
+from switchyard.router.flow.control import FlowControl, Grant, served_tokens
+from switchyard.router.flow.identity import (
+    FAIRNESS_ID_HEADER,
+    Identity,
+    clamp_priority,
+    parse_deadline_ms,
+    parse_priority,
+)
+from switchyard.router.flow.ratelimit import RedisRateShare, Share, SiblingRateShare
 from switchyard.router.forward import WORKER_HEADER, FirstByteDeadlines, Forwarder
 from switchyard.router.headers import FORWARDED_HEADERS, new_request_id, valid_request_id
 from switchyard.router.kv import KVAwareness
-from switchyard.router.metrics import METRICS_DIR_ENV, RouterMetrics, flush_metric_files_on
+from switchyard.router.metrics import (
+    METRICS_DIR_ENV,
+    FlowMetrics,
+    RouterMetrics,
+    flush_metric_files_on,
+)
 from switchyard.router.pd.orchestrator import build_orchestrator
 from switchyard.router.relay import Relay, send_complete
 from switchyard.router.request import DATA_ROUTES, RoutedRequest, parse
@@ -41,6 +55,18 @@ from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests
 
 log = logging.getLogger("switchyard.router")
+_T = TypeVar("_T")
+
+_FAIRNESS_ID = FAIRNESS_ID_HEADER.encode("latin-1")
+# Tenants named by a trusted header are unbounded: cache the plain identities of this many.
+_MAX_CACHED_IDENTITIES = 1024
+
+
+def _max_tokens(req: RoutedRequest) -> int | None:
+    """The output the client allowed (None: unsaid), for a rate-limit reservation."""
+    data = req.data
+    value = data.get("max_completion_tokens", data.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class _ClientGone(Exception):
@@ -160,8 +186,46 @@ class RouterApp:
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
         )
         self._routes = {route: route for route in DATA_ROUTES}
-        self.draining = False  # shutting down: /ready answers 503 while requests finish
+        self.flow = self._build_flow(settings, fleet, siblings)
+        flow = settings.flow
+        self._tenant_header = flow.tenant_header.encode("latin-1") if flow.tenant_header else None
+        self._max_priority = flow.max_priority
+        # The identities of requests that name no priority and no deadline, one per tenant.
+        self._identities: dict[str, Identity] = {}
+        self._draining = False
         self.control = build_control_app(self)
+
+    def _build_flow(
+        self, settings: RouterSettings, fleet: FleetView, siblings: SiblingBus | None
+    ) -> FlowControl | None:
+        if not settings.flow.enabled:
+            return None
+        share: Share | None = None
+        limits = settings.flow.tenant_tokens_per_minute or settings.flow.tenant_requests_per_minute
+        if not limits:
+            pass
+        elif settings.redis_url:
+            share = RedisRateShare(settings.redis_url)
+        elif siblings is not None:
+            share = SiblingRateShare(siblings)
+        return FlowControl(
+            fleet,
+            settings.flow,
+            FlowMetrics(self.metrics),
+            retry_after_s=settings.retry.after_s,
+            share=share,
+        )
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: /ready answers 503 while requests finish; nothing more is queued."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value and self.flow is not None:
+            self.flow.shutdown()  # a queued request would wait past the shutdown: 503 now
 
     async def start(self) -> None:
         if METRICS_DIR_ENV in os.environ:  # one of several processes: metric files to write
@@ -174,10 +238,15 @@ class RouterApp:
         if self.kv is not None:
             await self.kv.start()
         await self.fleet.start()
+        if self.flow is not None:
+            await self.flow.start()
         self.admission.start(self.fleet, self.relay.pool)
 
     async def stop(self) -> None:
         await self.admission.stop()
+        if self.flow is not None:
+            self.flow.shutdown()
+            await self.flow.stop()
         await self.fleet.stop()
         if self.kv is not None:
             await self.kv.stop()
@@ -230,7 +299,10 @@ class RouterApp:
         started = time.perf_counter()
         request_id: bytes | None = None
         session: str | None = None
-        priority = "normal"
+        priority_header: str | None = None
+        smg_priority: str | None = None
+        named_tenant: str | None = None
+        tenant_header = self._tenant_header
         slo_header: str | None = None
         content_length: int | None = None
         auth: bytes | None = None
@@ -244,7 +316,12 @@ class RouterApp:
             if key == b"x-session-id":
                 session = value.decode("latin-1")
             elif key == b"x-priority":
-                priority = value.decode("latin-1").lower()
+                priority_header = value.decode("latin-1")
+            elif key == b"x-smg-priority":
+                smg_priority = value.decode("latin-1")
+            elif tenant_header is not None and (key == tenant_header or key == _FAIRNESS_ID):
+                if named_tenant is None or key == tenant_header:
+                    named_tenant = value.decode("latin-1").strip() or named_tenant
             elif key == b"x-slo-ttft-ms":
                 slo_header = value.decode("latin-1")
             elif key == b"content-length":
@@ -265,6 +342,8 @@ class RouterApp:
         task = asyncio.current_task()
         tenant: str | None = None
         admitted = False
+        grant: Grant | None = None
+        ctx: Context | None = None
         try:
             if header_bytes > self.settings.limits.max_header_bytes:
                 raise RouterError(
@@ -277,20 +356,45 @@ class RouterApp:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             self.tenants.admit(tenant)
             admitted = True
+            identity = self._identity(
+                tenant, named_tenant, priority_header, smg_priority, slo_header
+            )
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session, self.settings.client_kv_transfer)
-            dispatch: Awaitable[tuple[int, str]]
-            if self.pd is not None and self.pd.applies(req):
-                dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
-            else:
-                ctx, ranked = await self.schedule(req, request_id, priority, slo_header)
-                dispatch = self.forwarder.forward(
-                    req, ctx, ranked, forward_headers, request_id, response, started
-                )
             assert task is not None
             when_gone = extensions.get(CLIENT_GONE)
             if when_gone is not None:
                 when_gone(functools.partial(self._on_client_gone, task, response))
+            dispatch: Awaitable[tuple[int, str]]
+            if self.pd is not None and self.pd.applies(req):
+                dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
+            else:
+                flow = self.flow
+                if flow is not None:
+                    grant = flow.grant_now(identity.tenant, req.model)
+                    if grant is None:
+                        admit = flow.admit(
+                            identity,
+                            req.model,
+                            len(body),
+                            req.prompt_tokens_estimate,
+                            _max_tokens(req) if flow.limiter is not None else None,
+                        )
+                        grant = await (
+                            admit
+                            if when_gone is not None
+                            else self._watching_receive(admit, receive, task, response)
+                        )
+                ctx, ranked = await self.schedule(
+                    req, request_id, priority_name(identity.priority), slo_header
+                )
+                if grant is not None:
+                    assert flow is not None
+                    flow.begun(grant)
+                dispatch = self.forwarder.forward(
+                    req, ctx, ranked, forward_headers, request_id, response, started
+                )
+            if when_gone is not None:
                 status, worker_id = await dispatch
             else:
                 status, worker_id = await self._watching_receive(dispatch, receive, task, response)
@@ -322,10 +426,46 @@ class RouterApp:
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
+            if grant is not None:
+                assert self.flow is not None
+                if ctx is not None:
+                    prompt, output = served_tokens(ctx.tail, ctx.prompt_tokens, ctx.generated)
+                    self.flow.release(grant, prompt, output)
+                else:
+                    self.flow.release(grant, 0, 0)
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
         self.tenants.count(tenant, status)
         m.child(m.latency, route).observe(time.perf_counter() - started)
+
+    def _identity(
+        self,
+        tenant: str,
+        named_tenant: str | None,
+        priority_header: str | None,
+        smg_priority: str | None,
+        slo_header: str | None,
+    ) -> Identity:
+        """Who the request is for flow control; a bad priority or deadline is a 400."""
+        if named_tenant is not None:
+            tenant = named_tenant
+        if priority_header is None and smg_priority is None and slo_header is None:
+            identity = self._identities.get(tenant)
+            if identity is None:
+                identity = Identity(tenant, 0, self.settings.admission.slo_ttft_ms)
+                if len(self._identities) < _MAX_CACHED_IDENTITIES:
+                    self._identities[tenant] = identity
+            return identity
+        try:
+            priority = parse_priority(priority_header, smg=smg_priority)
+            deadline_ms = parse_deadline_ms(slo_header)
+        except ValueError as exc:
+            raise RouterError(400, str(exc), code="invalid_header") from None
+        if self._max_priority or priority > 0:
+            priority = clamp_priority(priority, tenant, self._max_priority)
+        if deadline_ms is None:
+            deadline_ms = self.settings.admission.slo_ttft_ms
+        return Identity(tenant, priority, deadline_ms)
 
     async def schedule(
         self, req: RoutedRequest, request_id: bytes, priority: str, slo_header: str | None
@@ -400,13 +540,14 @@ class RouterApp:
 
     async def _watching_receive(
         self,
-        dispatch: Awaitable[tuple[int, str]],
+        dispatch: Awaitable[_T],
         receive: Receive,
         task: asyncio.Task[Any],
         response: _Response,
-    ) -> tuple[int, str]:
-        """``dispatch`` under a server without ``CLIENT_GONE``: a task waits for the standard
-        ``http.disconnect``, so the request is still cancelled when its client goes away."""
+    ) -> _T:
+        """``dispatch`` (or a wait in the queue) under a server without ``CLIENT_GONE``: a task
+        waits for the standard ``http.disconnect``, so the request is still cancelled when its
+        client goes away."""
         watcher = asyncio.create_task(self._await_disconnect(receive, task, response))
         try:
             return await dispatch

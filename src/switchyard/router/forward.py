@@ -269,6 +269,7 @@ class Forwarder:
                         )
                         if self.kv is not None and status == 200:
                             self.kv.observe_usage(ctx, worker.id, tail)
+                        ctx.tail, ctx.generated = tail, call.ticket.generated  # usage, for flow
                         return status, worker.id
                 finally:
                     resp.close()

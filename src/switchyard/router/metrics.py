@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.registry import Collector
 
@@ -271,3 +272,120 @@ class KVMetrics:
         )
         self.key_cache_hit = key_cache.labels("hit")
         self.key_cache_miss = key_cache.labels("miss")
+
+
+# Flow control's tenant label: the first this many tenants seen have their own, the rest
+# share OTHER_TENANT, so a trusted header's values cannot grow the label set without bound.
+MAX_TENANT_LABELS = 20
+OTHER_TENANT = "other"
+FLOW_OUTCOMES = (
+    "dispatched",
+    "queue_full",
+    "queue_timeout",
+    "shed",
+    "rate_limited",
+    "client_gone",
+    "shutdown",
+)
+
+
+def band_label(priority: int) -> str:
+    """A priority band's label, clamped to -10..10 (a client's integer is not a label)."""
+    return str(min(max(priority, -10), 10))
+
+
+class FlowMetrics:
+    """Flow control's metrics on the router's registry; the queue's sizes and the saturated
+    models are read at scrape time (``watch``), so waiting costs nothing to count."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        r = metrics.registry
+        self._router = metrics
+        self._tenants: dict[str, str] = {}
+        self.outcomes = Counter(
+            "switchyard_router_flow_outcomes",
+            "Flow control's answers to requests that did not pass straight through: "
+            "dispatched (from the queue), queue_full, queue_timeout, shed, rate_limited, "
+            "client_gone (left while queued), shutdown.",
+            ["outcome"],
+            registry=r,
+        )
+        self._outcomes = {name: self.outcomes.labels(name) for name in FLOW_OUTCOMES}
+        self.wait = Histogram(
+            "switchyard_router_flow_queue_wait_seconds",
+            "Time dispatched requests waited in the router's queue, by priority band.",
+            ["band"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.served_tokens = Counter(
+            "switchyard_router_flow_served_tokens",
+            "Tokens served per tenant (the fair share's input), by kind: prompt or output.",
+            ["tenant", "kind"],
+            registry=r,
+        )
+
+    def tenant_label(self, tenant: str) -> str:
+        label = self._tenants.get(tenant)
+        if label is None:
+            label = tenant if len(self._tenants) < MAX_TENANT_LABELS else OTHER_TENANT
+            if label != OTHER_TENANT:
+                self._tenants[tenant] = label
+        return label
+
+    def outcome(self, name: str) -> None:
+        self._outcomes[name].inc()
+
+    def dispatched(self, priority: int, waited_s: float) -> None:
+        self._outcomes["dispatched"].inc()
+        self._router.child(self.wait, band_label(priority)).observe(waited_s)
+
+    def served(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        label = self.tenant_label(tenant)
+        m = self._router
+        if prompt_tokens:
+            m.child(self.served_tokens, label, "prompt").inc(prompt_tokens)
+        if output_tokens:
+            m.child(self.served_tokens, label, "output").inc(output_tokens)
+
+    def watch(
+        self,
+        sizes: Callable[[], dict[tuple[int, str], int]],
+        saturated_models: Callable[[], list[str]],
+    ) -> None:
+        """Serve the queue's sizes and the saturated models as gauges, read at scrape time."""
+        self._router.register_live(_FlowGauges(self, sizes, saturated_models))
+
+
+class _FlowGauges(Collector):
+    def __init__(
+        self,
+        owner: FlowMetrics,
+        sizes: Callable[[], dict[tuple[int, str], int]],
+        saturated_models: Callable[[], list[str]],
+    ) -> None:
+        self.owner = owner
+        self.sizes = sizes
+        self.saturated_models = saturated_models
+
+    def collect(self) -> Iterator[Metric]:
+        queued = GaugeMetricFamily(
+            "switchyard_router_flow_queued",
+            "Requests waiting in the router's queue, by priority band and tenant.",
+            labels=["band", "tenant"],
+        )
+        totals: dict[tuple[str, str], int] = {}
+        for (priority, tenant), count in self.sizes().items():
+            key = (band_label(priority), self.owner.tenant_label(tenant))
+            totals[key] = totals.get(key, 0) + count
+        for (band, tenant), count in sorted(totals.items()):
+            queued.add_metric([band, tenant], count)
+        yield queued
+        saturated = GaugeMetricFamily(
+            "switchyard_router_flow_saturated_models",
+            "1 for each model whose every candidate worker is saturated now.",
+            labels=["model"],
+        )
+        for model in self.saturated_models():
+            saturated.add_metric([model], 1)
+        yield saturated

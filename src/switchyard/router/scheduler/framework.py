@@ -41,6 +41,9 @@ class Context:
     reason: str = ""
     # (model, prompt-or-messages kwargs, cache salt) when full tokenization was deferred.
     deferred_keys: tuple[str, dict[str, Any], str | None] | None = None
+    # The answer's last bytes (where an engine's usage is) and the tokens the relay counted.
+    tail: bytes = b""
+    generated: int = 0
 
     def uncached(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to prefill."""

@@ -1,0 +1,366 @@
+"""Flow control's asyncio side: admit a request at once, queue it, or refuse it clearly.
+
+The decisions live in the pure ``FlowQueue`` (who goes next), ``saturated`` (is a worker
+full) and ``TenantRateLimiter`` (may this tenant spend more); this module is the glue that
+gives each waiting request a future and answers it. A request is routed only once it is
+granted, so the KV-aware choice is made against the fleet as it is at dispatch.
+
+- Fast path: nothing waits and some candidate of the model is not saturated: granted with
+  a few attribute reads and one scan over the candidates, no allocation (one grant object
+  is kept per tenant).
+- Slow path: a sheddable request (negative priority) is refused ``shed`` at once; any
+  other is pushed and waits for ``pump``, which runs on every release, on every
+  ``begun`` and, only while something waits, on a short timer (an idle router runs none).
+- A dispatched request counts as ``starting`` until the app says it ``begun`` (its worker
+  chosen): the router's in-flight counts, which ``saturated`` reads, only grow once the
+  request reaches a worker, so without it one pump would release the whole queue at once.
+
+Every waiter ends: granted, 429 ``queue_full``/``queue_timeout``, 503 ``shutting_down``,
+or removed when its client goes (the caller's task is cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from switchyard.router.errors import RouterError
+from switchyard.router.flow.identity import Identity
+from switchyard.router.flow.queue import FlowQueue, Queued, QueueLimits, Refused
+from switchyard.router.flow.ratelimit import (
+    RateLimited,
+    RateLimits,
+    Reservation,
+    Share,
+    TenantRateLimiter,
+)
+from switchyard.router.flow.saturation import Thresholds, saturated
+
+if TYPE_CHECKING:
+    from switchyard.balancer.view import FleetView
+    from switchyard.balancer.worker import Worker
+    from switchyard.router.metrics import FlowMetrics
+    from switchyard.router.settings import Flow as FlowSettings
+
+REASON_HEADER = "x-switchyard-reason"
+PUMP_INTERVAL_S = 0.02
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+
+
+def served_tokens(tail: bytes, prompt_estimate: int, generated: int) -> tuple[int, int]:
+    """(prompt, output) tokens an answer cost: the engine's ``usage`` where the answer (or a
+    stream's tail) holds it, else the router's prompt estimate and the relay's token count."""
+    prompts = _PROMPT.findall(tail) if tail else None
+    if not prompts:
+        return prompt_estimate, generated
+    outputs = _COMPLETION.findall(tail)
+    return int(prompts[-1]), int(outputs[-1]) if outputs else generated
+
+
+class Grant:
+    """A request's permission to be routed; handed back to ``FlowControl.release`` once."""
+
+    __slots__ = ("tenant", "model", "reservation", "starting")
+
+    def __init__(
+        self, tenant: str, model: str, reservation: Reservation | None, starting: bool
+    ) -> None:
+        self.tenant = tenant
+        self.model = model
+        self.reservation = reservation
+        self.starting = starting  # dispatched from the queue, its worker not yet chosen
+
+
+class _Waiter:
+    """A queued request's side of the wait: its future and its rate-limit reservation."""
+
+    __slots__ = ("future", "reservation")
+
+    def __init__(self, future: asyncio.Future[Grant], reservation: Reservation | None) -> None:
+        self.future = future
+        self.reservation = reservation
+
+
+def refusal(status: int, reason: str, message: str, retry_after_s: float | None) -> RouterError:
+    """The router's answer to a request flow control will not run."""
+    headers = {REASON_HEADER: reason}
+    if retry_after_s is not None:
+        headers["retry-after"] = str(max(1, int(retry_after_s + 0.999)))
+    return RouterError(status, message, code=reason, headers=headers)
+
+
+class FlowControl:
+    def __init__(
+        self,
+        fleet: FleetView,
+        settings: FlowSettings,
+        metrics: FlowMetrics,
+        clock: Callable[[], float] = time.monotonic,
+        retry_after_s: float = 1.0,
+        share: Share | None = None,
+    ) -> None:
+        """``retry_after_s``: what a refused client is told when no better figure is known;
+        ``share``: how the rate limits are shared with other processes and replicas."""
+        self.fleet = fleet
+        self.metrics = metrics
+        self.clock = clock
+        self.retry_after_s = retry_after_s
+        self.thresholds = Thresholds(
+            queue_depth=settings.queue_depth,
+            kv_usage=settings.kv_usage,
+            metrics_staleness_s=settings.metrics_staleness_s,
+            max_inflight=settings.max_inflight_per_worker,
+            max_queued_prefill_tokens=settings.max_queued_prefill_tokens,
+        )
+        self.queue = FlowQueue(
+            QueueLimits(
+                max_requests_per_band=settings.max_requests_per_band,
+                max_bytes_per_band=settings.max_bytes_per_band,
+                ttl_s=settings.queue_ttl_s,
+                ordering=settings.ordering,
+                output_weight=settings.output_weight,
+                half_life_s=settings.half_life_s,
+            ),
+            clock,
+        )
+        limits = RateLimits(settings.tenant_tokens_per_minute, settings.tenant_requests_per_minute)
+        limited = any(limits.tokens_per_minute.values()) or any(limits.requests_per_minute.values())
+        self.limiter = TenantRateLimiter(limits, clock, share) if limited else None
+        self.share = share if self.limiter is not None else None
+        self.closed = False
+        self._grants: dict[str, Grant] = {}  # the fast path's, one per tenant, reused
+        self._starting: dict[str, int] = {}  # model -> dispatched, worker not yet chosen
+        self._timer: asyncio.TimerHandle | None = None
+        self._pump_soon = False
+        metrics.watch(self.queue.sizes, self.saturated_models)
+
+    async def start(self) -> None:
+        if self.share is not None:
+            await self.share.start()
+
+    async def stop(self) -> None:
+        self.shutdown()
+        if self.share is not None:
+            await self.share.stop()
+
+    # -- capacity ----------------------------------------------------------------------
+
+    def free_workers(self, candidates: list[Worker], now: float) -> int:
+        """How many of ``candidates`` are not saturated."""
+        free = 0
+        thresholds = self.thresholds
+        for worker in candidates:
+            if not saturated(worker, thresholds, now):
+                free += 1
+        return free
+
+    def can_serve(self, model: str) -> bool:
+        """Whether a request for ``model`` may be routed now: some candidate is free beyond
+        the dispatched requests still choosing one. A model no worker serves is "served" at
+        once, so routing answers it (404 or 503) rather than the queue holding it."""
+        candidates = self.fleet.candidates(model)
+        if not candidates:
+            return True
+        return self.free_workers(candidates, self.clock()) > self._starting.get(model, 0)
+
+    def saturated_models(self) -> list[str]:
+        """The models whose every candidate is saturated now (for /metrics)."""
+        now = self.clock()
+        out = []
+        for model in self.fleet.models():
+            candidates = self.fleet.candidates(model)
+            if candidates and not self.free_workers(candidates, now):
+                out.append(model)
+        return out
+
+    # -- admission ---------------------------------------------------------------------
+
+    def grant_now(self, tenant: str, model: str) -> Grant | None:
+        """The fast path: a grant when nothing waits, no rate limit applies and some
+        candidate of ``model`` is free; else None (``admit`` decides)."""
+        if self.limiter is not None or self.closed or len(self.queue) or not self.can_serve(model):
+            return None
+        grant = self._grants.get(tenant)
+        if grant is None:
+            grant = self._grants[tenant] = Grant(tenant, model, None, False)
+        return grant
+
+    async def admit(
+        self,
+        identity: Identity,
+        model: str,
+        size_bytes: int,
+        prompt_tokens: int,
+        max_tokens: int | None = None,
+    ) -> Grant:
+        """Grant ``identity``'s request for ``model`` now or once its turn comes; raise
+        ``RouterError`` for a refusal (429 with Retry-After and the reason header; 503 once
+        shutting down). A cancelled caller (client gone) leaves the queue."""
+        tenant = identity.tenant
+        reservation = None
+        if self.limiter is not None:
+            try:
+                reservation = self.limiter.reserve(tenant, prompt_tokens, max_tokens)
+            except RateLimited as limited:
+                self.metrics.outcome("rate_limited")
+                raise refusal(
+                    429,
+                    "rate_limited",
+                    f"This tenant is over its {limited.kind} per minute; retry later",
+                    limited.retry_after_s,
+                ) from None
+        if not len(self.queue) and not self.closed and self.can_serve(model):
+            return Grant(tenant, model, reservation, False)
+        return await self._wait(identity, model, size_bytes, prompt_tokens, reservation)
+
+    async def _wait(
+        self,
+        identity: Identity,
+        model: str,
+        size_bytes: int,
+        prompt_tokens: int,
+        reservation: Reservation | None,
+    ) -> Grant:
+        try:
+            if self.closed:
+                self.metrics.outcome("shutdown")
+                raise refusal(503, "shutting_down", "The router is shutting down", None)
+            if identity.sheddable and not self.can_serve(model):
+                self.metrics.outcome("shed")
+                raise refusal(
+                    429, "shed", "Every worker is saturated; sheddable request refused", None
+                )
+            waiter = _Waiter(asyncio.get_running_loop().create_future(), reservation)
+            item = Queued(identity, model, size_bytes, prompt_tokens, self.clock(), waiter)
+            try:
+                self.queue.push(item)
+            except Refused as refused:
+                self.metrics.outcome("queue_full")
+                raise refusal(
+                    429,
+                    "queue_full",
+                    "The router's queue is full; retry later",
+                    refused.retry_after_s,
+                ) from None
+        except RouterError:
+            self._cancel(reservation)
+            raise
+        self.pump()
+        future = waiter.future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if self.queue.remove(item):
+                self.metrics.outcome("client_gone")
+                self._cancel(reservation)
+            elif future.done() and not future.cancelled() and future.exception() is None:
+                self.release(future.result(), 0, 0)  # granted as the client went: never ran
+            raise
+        except RouterError:
+            self._cancel(reservation)
+            raise
+
+    def _cancel(self, reservation: Reservation | None) -> None:
+        if reservation is not None and self.limiter is not None:
+            self.limiter.cancel(reservation)
+
+    def begun(self, grant: Grant) -> None:
+        """``grant``'s worker is chosen: it no longer holds a place among the starting, and
+        the next waiting request may be judged against the fleet's counts."""
+        if grant.starting:
+            grant.starting = False
+            self._started(grant.model)
+
+    def release(self, grant: Grant, prompt_tokens: int, output_tokens: int) -> None:
+        """The request ended having been served ``prompt_tokens`` and ``output_tokens``:
+        charge its tenant's fair share and its rate limit, then dispatch who waits."""
+        if grant.starting:
+            grant.starting = False
+            self._started(grant.model)
+        if prompt_tokens or output_tokens:
+            self.queue.charge(grant.tenant, prompt_tokens, output_tokens)
+            self.metrics.served(grant.tenant, prompt_tokens, output_tokens)
+        if grant.reservation is not None and self.limiter is not None:
+            self.limiter.settle(grant.reservation, prompt_tokens, output_tokens)
+        if len(self.queue):
+            self.pump()
+
+    def _started(self, model: str) -> None:
+        left = self._starting[model] - 1
+        if left:
+            self._starting[model] = left
+        else:
+            del self._starting[model]
+        if len(self.queue) and not self._pump_soon:
+            # after the caller's task has gone on to its worker, whose in-flight count is
+            # then up to date
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self._pump_later)
+
+    def _pump_later(self) -> None:
+        self._pump_soon = False
+        self.pump()
+
+    # -- dispatch ----------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Dispatch waiting requests while capacity allows; keep the timer while any wait."""
+        queue = self.queue
+        for expired in queue.expire():
+            self._refuse_expired(expired)
+        while len(queue):
+            item = queue.pop(self.can_serve)
+            if item is None:
+                break
+            self._dispatch(item)
+        if len(queue):
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(PUMP_INTERVAL_S, self._tick)
+        elif self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _tick(self) -> None:
+        self._timer = None
+        self.pump()
+
+    def _dispatch(self, item: Queued) -> None:
+        waiter: _Waiter = item.payload
+        if waiter.future.done():  # its task was cancelled a moment ago: nothing to run
+            self._cancel(waiter.reservation)
+            return
+        model = item.model
+        self._starting[model] = self._starting.get(model, 0) + 1
+        waiter.future.set_result(Grant(item.identity.tenant, model, waiter.reservation, True))
+        self.metrics.dispatched(item.identity.priority, self.clock() - item.enqueued_at)
+
+    def _refuse_expired(self, item: Queued) -> None:
+        future = item.payload.future
+        if not future.done():
+            self.metrics.outcome("queue_timeout")
+            future.set_exception(
+                refusal(
+                    429,
+                    "queue_timeout",
+                    "No worker had room for this request in time; retry later",
+                    self.retry_after_s,
+                )
+            )
+
+    def shutdown(self) -> None:
+        """Answer every waiting request 503 at once, and any later one that would wait."""
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for item in self.queue.drain():
+            future = item.payload.future
+            if not future.done():
+                self.metrics.outcome("shutdown")
+                future.set_exception(
+                    refusal(503, "shutting_down", "The router is shutting down", None)
+                )
