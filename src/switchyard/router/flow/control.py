@@ -47,18 +47,29 @@ if TYPE_CHECKING:
 
 REASON_HEADER = "x-switchyard-reason"
 PUMP_INTERVAL_S = 0.02
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_NUMBER = re.compile(rb"\s*:\s*(\d+)")
+_PROMPT_KEY = b'"prompt_tokens"'
+_COMPLETION_KEY = b'"completion_tokens"'
+
+
+def _last_number(body: bytes, key: bytes) -> int | None:
+    """The integer after the last ``key`` in ``body``; found from the end, where an
+    answer's usage is, so a long answer is not scanned."""
+    at = body.rfind(key)
+    if at < 0:
+        return None
+    found = _NUMBER.match(body, at + len(key))
+    return int(found.group(1)) if found else None
 
 
 def served_tokens(tail: bytes, prompt_estimate: int, generated: int) -> tuple[int, int]:
     """(prompt, output) tokens an answer cost: the engine's ``usage`` where the answer (or a
     stream's tail) holds it, else the router's prompt estimate and the relay's token count."""
-    prompts = _PROMPT.findall(tail) if tail else None
-    if not prompts:
+    prompt = _last_number(tail, _PROMPT_KEY) if tail else None
+    if prompt is None:
         return prompt_estimate, generated
-    outputs = _COMPLETION.findall(tail)
-    return int(prompts[-1]), int(outputs[-1]) if outputs else generated
+    output = _last_number(tail, _COMPLETION_KEY)
+    return prompt, generated if output is None else output
 
 
 class Grant:
