@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from switchyard.loadtest.client import replay
+from bench.fairness import Cell, Run, prefill_capacity
+from switchyard.loadtest.client import Result, replay
 from switchyard.loadtest.workload import Request, Workload
 from switchyard.loadtest.workloads import build_workload
 
@@ -128,3 +129,38 @@ def test_replay_sends_each_key_and_records_tenant_and_refusal_headers() -> None:
     for r in results:
         assert (r.ok, r.status, r.retry_after, r.reason) == (False, 429, "2", "queue_full")
         assert r.e2e_s is not None and r.e2e_s > 0
+
+
+def _result(tenant: str, status: int, **kw: object) -> Result:
+    r = Result(0, 0.0, tenant, ok=status == 200, status=status)
+    for name, value in kw.items():
+        setattr(r, name, value)
+    return r
+
+
+def test_fairness_bench_counts_a_request_neither_answered_nor_refused_as_lost() -> None:
+    results = [
+        _result("A", 200, prompt_tokens=1000, output_tokens=10, done_s=2.0),
+        _result("A", 429, retry_after="1", reason="queue_full", e2e_s=0.004),
+        _result("A", 0, error="TimeoutError: "),
+        _result("B", 503, reason="shutting_down", e2e_s=0.002),
+        _result("B", 200, ttft_s=0.05, done_s=0.5),
+    ]
+    run = Run(results, capacity=1000.0, flood_tenant="A", quiet_tenant="B")
+    assert len(run.refused) == 2
+    assert run.lost == 1
+    assert run.quiet_ttft_ms(90) == pytest.approx(50.0)
+    assert run.flood_share == pytest.approx(1010 / 2.0 / 1000.0)  # A's tokens over its span
+
+    cell = Cell()
+    cell.add(Run([], 1000.0, "A", "B"), run)
+    assert (cell.refused_a, cell.refused_b, cell.lost) == ([1], [1], 1)
+    assert cell.no_retry_after == 1  # the 503 came without one
+    assert cell.refusal_max_ms == [pytest.approx(4.0)]
+    assert cell.reasons == {"429 queue_full": 1, "503 shutting_down": 1}
+
+
+def test_fairness_bench_capacity_scales_with_engines_and_speed() -> None:
+    one = prefill_capacity(1, 1.0)
+    assert 40_000 < one < 70_000  # an 8B model's prefill on one H100, tokens a second
+    assert prefill_capacity(4, 0.25) == pytest.approx(one)
