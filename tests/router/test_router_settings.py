@@ -261,6 +261,7 @@ def test_help_lists_the_options_under_their_group_headings() -> None:
         "TLS to workers",
         "Admission",
         "KV-aware routing",
+        "Flow control",
         "P/D",
         "Other",
     ]
