@@ -29,12 +29,14 @@ Printed per target (medians over ``--repeats``, targets in alternating order):
 
 Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--duration 20] [--repeats 3]
                                [--flood-x 3] [--quiet-share 0.2] [--no-smg]
+                               [--ours-args '--flow-...'] [--rev REV]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import shutil
 import statistics
 import sys
@@ -225,6 +227,11 @@ def main() -> None:
     parser.add_argument(
         "--rev", help="run our router from this git revision (a temporary worktree)"
     )
+    parser.add_argument(
+        "--ours-args",
+        default="",
+        help="more flags for our router, one quoted string ('--flow-max-inflight-per-worker 4')",
+    )
     args = parser.parse_args()
     if args.flood_x < 3.0 or args.quiet_share > 0.2:
         print(
@@ -252,9 +259,14 @@ def main() -> None:
     print(header, file=sys.stderr)
     with ExitStack() as stack:
         specs = targets(params, not args.no_smg)
+        if args.ours_args:
+            more = tuple(shlex.split(args.ours_args))
+            specs[0] = replace(
+                specs[0], label=f"{OURS} {args.ours_args}", extra=specs[0].extra + more
+            )
         if args.rev:
             code = worktree(stack, args.rev)
-            specs[0] = replace(specs[0], label=f"{OURS} {args.rev}", code=code)
+            specs[0] = replace(specs[0], label=f"{specs[0].label} @{args.rev}", code=code)
         fleet = stack.enter_context(MockFleet(args.engines, speed=args.speed, seed=args.seed))
         cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
     report(cells, header)
