@@ -110,3 +110,21 @@ def test_the_command_names_the_engine_and_the_refusals(tmp_path: Path) -> None:
     headline = json.loads(result.output.strip().splitlines()[-1])
     assert headline["refused_too_long"] == 1
     assert headline["engine"]["max_model_len"] == 131_072
+
+
+def test_the_command_leaves_the_router_loggers_level_as_it_found_it(tmp_path: Path) -> None:
+    import logging
+
+    from click.testing import CliRunner
+
+    from switchyard.loadtest.simcli import simulate_command
+
+    router_log = logging.getLogger("switchyard.router")
+    router_log.setLevel(logging.INFO)
+    try:
+        args = ["--engines", "2", "--workload", "mooncake", "--trace", str(trace(tmp_path, ROWS))]
+        result = CliRunner().invoke(simulate_command, [*args, "--policy", "round_robin"])
+        assert result.exit_code == 0, result.output
+        assert router_log.level == logging.INFO  # other code in this process still logs
+    finally:
+        router_log.setLevel(logging.NOTSET)

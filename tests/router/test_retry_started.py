@@ -108,3 +108,30 @@ async def test_a_refused_worker_is_retried_whatever_the_setting(engine: StubBack
     async with running_router(gone.url, engine.url, config=config, policy="round_robin") as r:
         statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
     assert statuses == [200, 200]
+
+
+async def test_a_chat_whose_worker_died_after_reading_it_goes_to_another(
+    engine: StubBackend,
+) -> None:
+    """A dead engine cannot go on generating: its port refusing a new connection proves it
+    gone, and the request is safe to run elsewhere whatever ``started_requests`` says."""
+    dying: StubBackend
+
+    async def route(request: StubRequest) -> StubReply | None:
+        if request.method == "POST":
+            server = dying._server
+            assert server is not None
+            server.close()  # the process ends: its port refuses from now on
+            raise ConnectionResetError("died")
+        return None
+
+    dying = StubBackend(route)
+    config = {
+        "router": {"retry": {"started_requests": "never"}},
+        "balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000},
+    }
+    async with dying:
+        async with running_router(dying.url, engine.url, config=config, policy="round_robin") as r:
+            statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
+    assert statuses == [200, 200]
+    assert engine.state.requests == 2

@@ -3,10 +3,12 @@ and ``loadtest.simplan``."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +21,19 @@ if TYPE_CHECKING:
 
     from switchyard.loadtest.simplan import Objective, Plan
     from switchyard.loadtest.simulate import SimConfig
+
+
+@contextlib.contextmanager
+def _router_notes_quiet() -> Iterator[None]:
+    """The router's start-up notes (admin API off, ...) mean nothing without a server; the
+    level comes back after, for whatever else runs in this process."""
+    logger = logging.getLogger("switchyard.router")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @click.command(
@@ -152,11 +167,10 @@ def simulate_command(
         record_token_times=token_times,
         prefill_engines=prefill_engines,
     )
-    # The router's start-up notes (admin API off, ...) mean nothing without a server.
-    logging.getLogger("switchyard.router").setLevel(logging.ERROR)
     console = wide_console()
     try:
-        outcome = simulate(cfg)
+        with _router_notes_quiet():
+            outcome = simulate(cfg)
     except (ValueError, TypeError) as exc:
         raise click.BadParameter(str(exc)) from exc
     print_table(outcome, console)
@@ -252,57 +266,57 @@ def plan_command(
         slo_tpot_ms=slo_tpot_ms,
         record_token_times=False,
     )
-    logging.getLogger("switchyard.router").setLevel(logging.ERROR)
-    console = wide_console()
-    objective = Objective(slo_ttft_ms, slo_tpot_ms)
-    if pd_engines is not None:
-        title = (
-            f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
-            f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
+    with _router_notes_quiet():
+        console = wide_console()
+        objective = Objective(slo_ttft_ms, slo_tpot_ms)
+        if pd_engines is not None:
+            title = (
+                f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
+                f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
+            )
+            print_split(console, base, objective, policy, pd_engines, title)
+            return
+        try:
+            result = plan(
+                base,
+                objective,
+                policy,
+                [p.strip() for p in compare.split(",") if p.strip()],
+                max_engines,
+                on_probe=lambda n, run: console.print(
+                    f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
+                    f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
+                ),
+            )
+        except (ValueError, TypeError) as exc:
+            raise click.BadParameter(str(exc)) from exc
+        table = Table(
+            title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
+            f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
         )
-        print_split(console, base, objective, policy, pd_engines, title)
-        return
-    try:
-        result = plan(
-            base,
-            objective,
-            policy,
-            [p.strip() for p in compare.split(",") if p.strip()],
-            max_engines,
-            on_probe=lambda n, run: console.print(
-                f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
-                f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
-            ),
-        )
-    except (ValueError, TypeError) as exc:
-        raise click.BadParameter(str(exc)) from exc
-    table = Table(
-        title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
-        f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
-    )
-    for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
-        table.add_column(col, justify="right")
-    for n, run in sorted(result.probes.items()):
-        s = run.summary
-        table.add_row(
-            str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
-            f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
-        )  # fmt: skip
-    for run in result.compared[1:]:
-        s = run.summary
-        table.add_row(
-            str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
-            f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
-            "yes" if objective.met(run) else "no",
-        )  # fmt: skip
-    console.print(table)
-    if result.engines is None:
-        console.print(f"No fleet up to {max_engines} engines meets the objective.")
-    else:
-        console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
-    console.print(f"Assumed: {assumptions(base)}")
-    if out is not None:
-        console.print(f"wrote {plot_plan(result, out)}")
+        for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
+            table.add_column(col, justify="right")
+        for n, run in sorted(result.probes.items()):
+            s = run.summary
+            table.add_row(
+                str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
+                f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
+            )  # fmt: skip
+        for run in result.compared[1:]:
+            s = run.summary
+            table.add_row(
+                str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
+                f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
+                "yes" if objective.met(run) else "no",
+            )  # fmt: skip
+        console.print(table)
+        if result.engines is None:
+            console.print(f"No fleet up to {max_engines} engines meets the objective.")
+        else:
+            console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
+        console.print(f"Assumed: {assumptions(base)}")
+        if out is not None:
+            console.print(f"wrote {plot_plan(result, out)}")
 
 
 def print_split(

@@ -6,7 +6,8 @@ relay of its answer to the client. Retries happen only before any byte reached t
 client: on connect errors and 502/503 from the worker; and where the worker may have
 begun on the request (it closed after the request was written, its first byte or token
 was late, its answer broke off unrelayed) only as ``started_requests`` allows, since a
-generation retried runs again while the first worker may go on with it unseen.
+generation retried runs again while the first worker may go on with it unseen, unless the
+worker's process is gone (its port refuses a new connection), when nothing goes on.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from prometheus_client import Histogram
 from starlette.types import Send
@@ -274,7 +276,7 @@ class Forwarder:
                 finally:
                     resp.close()
         except Unsent as unsent:
-            if not again:
+            if not again and not await self._gone(unsent.cause, call.url):
                 raise self._upstream_error(unsent.cause, worker, answered=True) from None
             raise _Retry(
                 f"unsent_{call.outcome}", self._upstream_error(unsent.cause, worker, answered=True)
@@ -284,12 +286,10 @@ class Forwarder:
                 raise RouterError(
                     400, f"Invalid request header: {exc}", code="invalid_header"
                 ) from None
-            if (
-                call.answered
-                or call.outcome not in _RETRIED
-                or (not again and may_have_started(exc))
-            ):
+            if call.answered or call.outcome not in _RETRIED:
                 raise self._upstream_error(exc, worker, answered=call.answered) from None
+            if not again and may_have_started(exc) and not await self._gone(exc, call.url):
+                raise self._upstream_error(exc, worker, answered=False) from None
             tried = {WORKER_HEADER.decode(): worker.id}
             if call.outcome is Outcome.TIMEOUT:
                 error = RouterError(
@@ -301,6 +301,28 @@ class Forwarder:
                 )
             raise _Retry(str(call.outcome), error) from None
         raise _Retry(f"status_{status}")
+
+    async def _gone(self, exc: BaseException, url: str) -> bool:
+        """Whether the worker's process is gone after its connection broke with ``exc``: its
+        port refuses a new connection. A request it may have begun cannot go on running
+        there, so another worker may take it without the engine generating twice. A
+        deadline that passed proves nothing (the engine may be busy with it), nor does a
+        port that cannot be reached (a network between)."""
+        if isinstance(exc, UpstreamTimeout | TimeoutError):
+            return False
+        parts = urlsplit(url)
+        if parts.hostname is None:
+            return False
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            async with asyncio.timeout(self.relay.connect_timeout_s):
+                _, writer = await asyncio.open_connection(parts.hostname, port)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, TimeoutError):
+            return False
+        writer.close()
+        return False
 
     async def _relay_whole(
         self, resp: Response, request_id: bytes, send: Send, worker: Worker
