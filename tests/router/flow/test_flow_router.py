@@ -247,7 +247,7 @@ async def test_a_client_that_leaves_while_queued_never_reaches_a_worker() -> Non
     assert metric(text, "switchyard_router_flow_outcomes_total", outcome="client_gone") == 1
 
 
-async def test_shutdown_answers_every_queued_request_503_at_once() -> None:
+async def test_shutdown_answers_every_queued_request_503_at_once_and_serves_the_rest() -> None:
     async with saturated_router() as (router, worker):
         first = send(router, "f0")
         await worker.reached("f0")
@@ -259,10 +259,13 @@ async def test_shutdown_answers_every_queued_request_503_at_once() -> None:
         answers = await asyncio.gather(*waiting)
         await worker.finish("f0")
         assert (await first).status_code == 200
+        with_room = send(router, "f2")  # a draining router still serves what need not wait
+        await worker.finish("f2")
+        assert (await with_room).status_code == 200
         text = (await router.get("/metrics")).text
     for resp in answers:
         refused(resp, 503, "shutting_down")
-    assert worker.arrived == ["f0"]
+    assert worker.arrived == ["f0", "f2"]
     assert metric(text, "switchyard_router_flow_outcomes_total", outcome="shutdown") == 2
 
 

@@ -193,7 +193,7 @@ class FlowControl:
     def grant_now(self, tenant: str, model: str) -> Grant | None:
         """The fast path: a grant when nothing waits, no rate limit applies and some
         candidate of ``model`` is free; else None (``admit`` decides)."""
-        if self.limiter is not None or self.closed or len(self.queue) or not self.can_serve(model):
+        if self.limiter is not None or len(self.queue) or not self.can_serve(model):
             return None
         grant = self._grants.get(tenant)
         if grant is None:
@@ -224,7 +224,7 @@ class FlowControl:
                     f"This tenant is over its {limited.kind} per minute; retry later",
                     limited.retry_after_s,
                 ) from None
-        if not len(self.queue) and not self.closed and self.can_serve(model):
+        if not len(self.queue) and self.can_serve(model):
             return Grant(tenant, model, reservation, False)
         return await self._wait(identity, model, size_bytes, prompt_tokens, reservation)
 
@@ -363,7 +363,8 @@ class FlowControl:
             )
 
     def shutdown(self) -> None:
-        """Answer every waiting request 503 at once, and any later one that would wait."""
+        """Answer every waiting request 503 at once, and any later one that would wait (one
+        with room goes on: a draining router still serves)."""
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
