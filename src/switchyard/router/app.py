@@ -202,11 +202,9 @@ class RouterApp:
             return None
         share: Share | None = None
         limits = settings.flow.tenant_tokens_per_minute or settings.flow.tenant_requests_per_minute
-        if not limits:
-            pass
-        elif settings.redis_url:
+        if limits and settings.redis_url:
             share = RedisRateShare(settings.redis_url)
-        elif siblings is not None:
+        elif limits and siblings is not None:
             share = SiblingRateShare(siblings)
         return FlowControl(
             fleet,

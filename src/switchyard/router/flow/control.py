@@ -176,7 +176,15 @@ class FlowControl:
         candidates = self.fleet.candidates(model)
         if not candidates:
             return True
-        return self.free_workers(candidates, self.clock()) > self._starting.get(model, 0)
+        needed = self._starting.get(model, 0)  # free workers the dispatched ones will take
+        thresholds = self.thresholds
+        now = self.clock()
+        for worker in candidates:  # stops at the first free one beyond those
+            if not saturated(worker, thresholds, now):
+                if not needed:
+                    return True
+                needed -= 1
+        return False
 
     def saturated_models(self) -> list[str]:
         """The models whose every candidate is saturated now (for /metrics)."""
