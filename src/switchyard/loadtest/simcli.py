@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
     from switchyard.loadtest.simplan import Objective, Plan
     from switchyard.loadtest.simulate import SimConfig
+    from switchyard.router.settings import Flow
 
 
 @contextlib.contextmanager
@@ -108,6 +109,25 @@ def _router_notes_quiet() -> Iterator[None]:
     help="Keep every token's time (ITL); off saves memory on big runs.",
 )
 @click.option(
+    "--flow/--no-flow",
+    default=True,
+    show_default=True,
+    help="The router's flow control (queue while saturated, fair share between tenants); "
+    "off: every request is routed at its arrival.",
+)
+@click.option(
+    "--flow-option",
+    multiple=True,
+    help="Router flow setting KEY=VALUE, repeatable (the router's flow.* names, e.g. "
+    "max_inflight_per_worker=4) [default: the router's].",
+)
+@click.option(
+    "--scrape-interval-ms",
+    type=float,
+    help="Between engine metrics scrapes, in workload (wall) ms; flow control's "
+    "saturation reads them [default: the router's scrape interval].",
+)
+@click.option(
     "--out",
     type=click.Path(path_type=Path),
     help="Directory for simulate.json and the PNG plots.",
@@ -134,6 +154,9 @@ def simulate_command(
     slo_tpot_ms: float,
     mock_config: Path | None,
     token_times: bool,
+    flow: bool,
+    flow_option: tuple[str, ...],
+    scrape_interval_ms: float | None,
     out: Path | None,
     as_json: bool,
 ) -> None:
@@ -166,6 +189,9 @@ def simulate_command(
         mock_config=mock_config,
         record_token_times=token_times,
         prefill_engines=prefill_engines,
+        flow=flow,
+        flow_settings=flow_settings(parse_params(flow_option)),
+        scrape_interval_ms=scrape_interval_ms,
     )
     console = wide_console()
     try:
@@ -180,6 +206,26 @@ def simulate_command(
     if as_json:
         sys.stdout.flush()
         print(json.dumps(outcome.headline()))
+
+
+def flow_settings(options: dict[str, object]) -> Flow:
+    """The router's ``Flow`` group with these settings changed; a bad name or value is the
+    command's one-line error."""
+    import pydantic
+
+    from switchyard.router.settings import Flow
+
+    unknown = sorted(set(options) - set(Flow.model_fields))
+    if unknown:
+        raise click.BadParameter(
+            f"no flow setting(s) {', '.join(unknown)}", param_hint="--flow-option"
+        )
+    try:
+        return Flow(**options)  # type: ignore[arg-type]
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        raise click.BadParameter(f"{where}: {first['msg']}", param_hint="--flow-option") from None
 
 
 @click.command(

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
 from switchyard.loadtest.report import render_table, to_json
 from switchyard.loadtest.simulate import SimOutcome
@@ -27,6 +28,41 @@ def print_table(outcome: SimOutcome, console: Console) -> None:
         f"engine: {outcome.engine.describe()}; {outcome.refused_too_long} request(s) refused "
         f"as longer than that (vLLM's 400), counted as errors."
     )
+    if outcome.flow:
+        console.print(
+            f"flow control: on (the router's, engine metrics scraped every "
+            f"{cfg.scrape_interval_s() * 1e3:g} ms); its refusals are counted as errors."
+        )
+    else:
+        reason = "P/D pools are not queued" if cfg.flow else "--no-flow"
+        console.print(f"flow control: off ({reason}); every request is routed at its arrival.")
+    if any(len(run.tenants) > 1 or run.refused_by_flow for run in outcome.runs):
+        console.print(tenant_table(outcome))
+
+
+def tenant_table(outcome: SimOutcome) -> Table:
+    """Per policy and tenant: requests, served, refused by reason, TTFT and queue wait."""
+    table = Table(title=f"Per tenant, {outcome.workload.name} (simulated)")
+    columns = (
+        "policy", "tenant", "requests", "served", "refused", "TTFT p50 ms", "TTFT p90 ms",
+        "wait p50 ms", "wait p90 ms", "prompt tok", "output tok",
+    )  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("policy", "tenant", "refused") else "right")
+    for run in outcome.runs:
+        for name, fig in run.tenants.items():
+            ttft, wait = fig.ttft_ms(), fig.wait_ms()
+            refused = ", ".join(f"{k} {v}" for k, v in sorted(fig.refused.items())) or "-"
+            table.add_row(
+                run.policy, name, str(fig.requests), str(fig.served), refused,
+                _ms(ttft["p50"]), _ms(ttft["p90"]), _ms(wait["p50"]), _ms(wait["p90"]),
+                str(fig.prompt_tokens), str(fig.output_tokens),
+            )  # fmt: skip
+    return table
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def write_reports(outcome: SimOutcome, out: Path) -> list[Path]:

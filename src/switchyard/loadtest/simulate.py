@@ -21,6 +21,18 @@ the decode leg on the first decode worker with the prompt's KV pulled (the engin
 the transfer); the prefill's held blocks are freed when the decode leg's first token comes.
 The client's TTFT is the decode leg's first token from the request's arrival.
 
+Flow control runs as in the router, on by default (``SimConfig.flow``): the router's own
+``FlowQueue`` and ``saturated`` with the router's ``Flow`` settings (its defaults unless
+given), on the virtual clock. A request arriving while nothing waits and some candidate is
+not saturated is routed at once; otherwise it waits in the queue (or is refused: 429
+``queue_full`` over a cap, ``shed`` for a negative priority, ``queue_timeout`` past the
+TTL). Waiting requests are dispatched, each routed at that moment, on every request's end
+and every scrape; a request's tenant is charged its actual prompt and output tokens at its
+end. Saturation reads engine metrics as the router's scrape would have seen them: every
+``scrape_interval_ms`` (the router's own interval by default) each worker's running and
+waiting requests and KV usage are sampled. The router does not queue for P/D pools (no
+unified candidates), so neither does a P/D simulation.
+
 The engines are, unless told otherwise, the engine model's own: Llama-3.1-8B on one 80 GB
 H100 (``EngineConfig``: 29,000 KV blocks of 16 tokens) serving the model's 131,072-token
 context. A request whose prompt + output exceeds that context (capped by what one engine's
@@ -30,21 +42,23 @@ an error and in ``refused_too_long``, and the run goes on.
 What is not simulated: HTTP and client overheads, the router's own CPU time (the router
 here decides instantly), KV-event transport lag (events are applied at the step that
 emits them), the P/D decider (every request is disaggregated) and leg retries, probes,
-scrapes and failures.
+failures, scrape lag beyond the interval, and flow control's rate limits.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import resource
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from switchyard.balancer.fleet import Fleet
 from switchyard.balancer.settings import BalancerSettings
-from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
+from switchyard.balancer.worker import EngineSample, Outcome, Role, Ticket, Worker, WorkerSpec
 from switchyard.kvstore.memory import MemoryIndex
 from switchyard.kvstore.metrics import KVStoreMetrics
 from switchyard.kvstore.store import KVStore
@@ -53,23 +67,27 @@ from switchyard.loadtest.ceiling import Ceiling, ceiling_of
 from switchyard.loadtest.client import Result
 from switchyard.loadtest.compare import MODEL, CompareConfig, Run
 from switchyard.loadtest.compare import Outcome as CompareOutcome
-from switchyard.loadtest.metrics import SLO, Summary, summarize
-from switchyard.loadtest.simworkload import SimWorkload, sim_workload
+from switchyard.loadtest.metrics import SLO, Summary, percentile, summarize
+from switchyard.loadtest.simworkload import Arrival, SimWorkload, sim_workload
 from switchyard.mock.engine.api import EngineRequest, context_length_error
 from switchyard.mock.engine.config import EngineConfig
+from switchyard.mock.engine.core import EngineCore
 from switchyard.mock.engine.events import KVEventBatch
 from switchyard.mock.engine.virtual import RequestResult, VirtualFleet
 from switchyard.mock.kvevents import encode_batch
 from switchyard.mock.serve import engine_config
 from switchyard.mock.settings import MockSettings
 from switchyard.router.app import RouterApp
+from switchyard.router.flow.identity import DEFAULT_TENANT, Identity
+from switchyard.router.flow.queue import FlowQueue, Queued, QueueLimits, Refused
+from switchyard.router.flow.saturation import Thresholds, saturated
 from switchyard.router.forward import queued_prefill
 from switchyard.router.pd.pools import Pools
 from switchyard.router.pd.settings import PDSettings
 from switchyard.router.request import COMPLETIONS, RoutedRequest
 from switchyard.router.scheduler.framework import Context
 from switchyard.router.scheduler.policies import build_scheduler
-from switchyard.router.settings import KV, RouterSettings
+from switchyard.router.settings import KV, Flow, RouterSettings
 
 T = TypeVar("T")
 
@@ -108,6 +126,17 @@ class SimConfig:
     record_token_times: bool = True
     # P/D: the first this many of ``engines`` prefill, the rest decode; 0 = unified workers.
     prefill_engines: int = 0
+    # Flow control as the router runs it (off: every request is routed at its arrival).
+    flow: bool = True
+    flow_settings: Flow = field(default_factory=Flow)
+    # Between engine metrics scrapes, in the workload's (wall) milliseconds; None: the
+    # router's own scrape interval.
+    scrape_interval_ms: float | None = None
+
+    def scrape_interval_s(self) -> float:
+        if self.scrape_interval_ms is None:
+            return BalancerSettings().scrape_interval_s
+        return self.scrape_interval_ms / 1000.0
 
     def settings(self) -> MockSettings:
         return MockSettings.load(
@@ -163,6 +192,66 @@ class SimEngine:
 
 
 @dataclass
+class TenantFigures:
+    """One tenant's share of a run: what it asked, what it was served, how long it waited.
+    Times are in the report's (wall) seconds; waits are of the requests dispatched."""
+
+    requests: int = 0
+    served: int = 0
+    refused: dict[str, int] = field(default_factory=dict)  # reason -> requests
+    ttft_s: list[float] = field(default_factory=list)
+    wait_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    def ttft_ms(self) -> dict[str, float | None]:
+        return _quantiles_ms(self.ttft_s)
+
+    def wait_ms(self) -> dict[str, float | None]:
+        return _quantiles_ms(self.wait_s)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "served": self.served,
+            "refused": dict(sorted(self.refused.items())),
+            "ttft_ms": _rounded(self.ttft_ms()),
+            "queue_wait_ms": _rounded(self.wait_ms()),
+            "served_tokens": {"prompt": self.prompt_tokens, "output": self.output_tokens},
+        }
+
+
+def _quantiles_ms(values: list[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for q in (50, 90):
+        v = percentile(values, q)
+        out[f"p{q}"] = None if v is None else v * 1e3
+    return out
+
+
+def tenant_figures(results: list[Result], waits: dict[int, float]) -> dict[str, TenantFigures]:
+    """Per tenant, by name: each request served (its TTFT, its wait, its tokens) or refused
+    (by reason: flow control's, ``too_long`` for vLLM's 400, else ``error``)."""
+    out: dict[str, TenantFigures] = {}
+    for r in results:
+        fig = out.get(r.tenant or DEFAULT_TENANT)
+        if fig is None:
+            fig = out[r.tenant or DEFAULT_TENANT] = TenantFigures()
+        fig.requests += 1
+        if r.ok:
+            fig.served += 1
+            if r.ttft_s is not None:
+                fig.ttft_s.append(r.ttft_s)
+            fig.wait_s.append(waits.get(r.index, 0.0))
+            fig.prompt_tokens += r.prompt_tokens
+            fig.output_tokens += r.output_tokens
+        else:
+            reason = r.reason or ("too_long" if r.status == 400 else "error")
+            fig.refused[reason] = fig.refused.get(reason, 0) + 1
+    return dict(sorted(out.items()))
+
+
+@dataclass
 class PolicyRun:
     policy: str
     summary: Summary
@@ -172,6 +261,18 @@ class PolicyRun:
     cpu_s: float  # this process's CPU time: on a shared machine, wall time measures the others
     decisions: int
     refused_too_long: int = 0  # refused with vLLM's 400: prompt + output over the context
+    tenants: dict[str, TenantFigures] = field(default_factory=dict)
+    flow: bool = False  # whether flow control ran (not for P/D pools, as in the router)
+
+    @property
+    def refused_by_flow(self) -> dict[str, int]:
+        """Flow control's refusals over every tenant, by reason."""
+        out: dict[str, int] = {}
+        for fig in self.tenants.values():
+            for reason, n in fig.refused.items():
+                if reason not in ("too_long", "error"):
+                    out[reason] = out.get(reason, 0) + n
+        return dict(sorted(out.items()))
 
 
 @dataclass
@@ -195,6 +296,10 @@ class SimOutcome:
     @property
     def cpu_s(self) -> float:
         return sum(r.cpu_s for r in self.runs)
+
+    @property
+    def flow(self) -> bool:
+        return any(r.flow for r in self.runs)
 
     @property
     def refused_too_long(self) -> int:
@@ -229,6 +334,8 @@ class SimOutcome:
             "engines": self.config.engines,
             "dp_size": self.config.dp_size,
             "prefill_engines": self.config.prefill_engines,
+            "flow": self.flow,
+            "scrape_interval_ms": round(self.config.scrape_interval_s() * 1e3, 3),
             "workload": self.workload.name,
             "requests": len(self.workload),
             "engine": self.engine.as_json(),
@@ -249,6 +356,8 @@ class SimOutcome:
                     "load_spread": None if r.summary.spread is None else round(r.summary.spread, 3),
                     "errors": r.summary.errors,
                     "refused_too_long": r.refused_too_long,
+                    "refused": r.refused_by_flow,
+                    "tenants": {name: fig.as_json() for name, fig in r.tenants.items()},
                     "sim_seconds": round(r.sim_s, 3),
                     "wall_seconds": round(r.wall_s, 3),
                     "cpu_seconds": round(r.cpu_s, 3),
@@ -444,6 +553,236 @@ class SimRouter:
         fleet.submit(fleet.now, self.index_of[decode.id], request)
 
 
+class _Scraped:
+    """A worker as flow control's saturation check reads it, with its engines' metrics as the
+    last scrape on the virtual clock saw them. The worker's own sample stays unset: its
+    ``load()`` ages a sample on the host's monotonic clock, against which a virtual scrape
+    time means nothing, so scrape-reading scorers would depend on the host's uptime."""
+
+    __slots__ = ("_worker", "_cores", "engine", "scraped_at")
+
+    def __init__(self, worker: Worker, cores: list[EngineCore]) -> None:
+        self._worker = worker
+        self._cores = cores
+        self.engine: EngineSample | None = None
+        self.scraped_at: float | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._worker.healthy
+
+    @property
+    def draining(self) -> bool:
+        return self._worker.draining
+
+    @property
+    def inflight(self) -> int:
+        return self._worker.inflight
+
+    @property
+    def totals(self) -> Any:
+        return self._worker.totals
+
+    def scrape(self, at: float) -> None:
+        """The engines' running and waiting requests and KV usage now (a worker's DP ranks
+        summed, their usage averaged), exact even mid-jump: a decode jump moves no block."""
+        running = waiting = 0
+        usage = 0.0
+        for core in self._cores:
+            running += len(core.running)
+            waiting += len(core.waiting)
+            usage += core.pool.usage
+        usage /= len(self._cores)
+        sample = self.engine
+        if sample is None:
+            self.engine = EngineSample(running, waiting, usage)
+        else:
+            sample.running, sample.waiting, sample.kv_usage = running, waiting, usage
+        self.scraped_at = at
+
+
+class SimFlow:
+    """The router's flow control over a simulated fleet, on its clock in the report's (wall)
+    seconds: ``FlowQueue`` decides who goes next and ``saturated`` whether a worker has room,
+    as ``router.flow.control`` drives them, with the dispatch routed at once (so there is no
+    "starting" state to wait for) and the engines' metrics from periodic scrapes."""
+
+    def __init__(
+        self,
+        cfg: SimConfig,
+        workload: SimWorkload,
+        router: SimRouter,
+        fleet: VirtualFleet,
+        refused: list[Result],
+    ) -> None:
+        flow = cfg.flow_settings
+        self.speed = cfg.speed
+        self.workload = workload
+        self.router = router
+        self.fleet = fleet
+        self.refused = refused
+        self.thresholds = Thresholds(
+            queue_depth=flow.queue_depth,
+            kv_usage=flow.kv_usage,
+            metrics_staleness_s=flow.metrics_staleness_s,
+            max_inflight=flow.max_inflight_per_worker,
+            max_queued_prefill_tokens=flow.max_queued_prefill_tokens,
+        )
+        self.queue = FlowQueue(
+            QueueLimits(
+                max_requests_per_band=flow.max_requests_per_band,
+                max_bytes_per_band=flow.max_bytes_per_band,
+                ttl_s=flow.queue_ttl_s,
+                ordering=flow.ordering,
+                output_weight=flow.output_weight,
+                half_life_s=flow.half_life_s,
+            ),
+            self.clock,
+        )
+        dp = cfg.dp_size
+        self.views = {
+            w.id: _Scraped(w, fleet.cores[i * dp : (i + 1) * dp])
+            for i, w in enumerate(router.workers)
+        }
+        self.interval_s = cfg.scrape_interval_s()
+        if self.interval_s <= 0:
+            raise ValueError("scrape_interval_ms must be positive")
+        self.tick = -1  # the last scrape, in intervals from the start
+        self.arrived: dict[str, float] = {}  # request id -> arrival (model time), if queued
+        self.waits: dict[int, float] = {}  # request index -> its wait in the queue, seconds
+        self.serving: dict[str, str] = {}  # request id -> tenant, until its end is charged
+
+    def clock(self) -> float:
+        return self.fleet.now / self.speed
+
+    @property
+    def busy(self) -> bool:
+        """Anything in flight or waiting: the scrapes matter only then (an idle worker is
+        never saturated), so an idle gap runs no scrape."""
+        return bool(self.router.tickets) or bool(len(self.queue))
+
+    def next_scrape(self) -> float:
+        """The model time of the next scrape."""
+        return (self.tick + 1) * self.interval_s * self.speed
+
+    def scrape(self, tick: int) -> None:
+        at = tick * self.interval_s
+        for view in self.views.values():
+            view.scrape(at)
+        self.tick = tick
+
+    def catch_up(self) -> None:
+        """The scrape due by now, after an idle gap (the engines are as they were then)."""
+        tick = math.floor(self.clock() / self.interval_s)
+        if tick > self.tick:
+            self.scrape(tick)
+
+    def can_serve(self, model: str) -> bool:
+        """``FlowControl.can_serve``: some candidate of ``model`` is not saturated."""
+        candidates = self.router.fleet.candidates(model)
+        if not candidates:
+            return True
+        views, thresholds, now = self.views, self.thresholds, self.clock()
+        for worker in candidates:
+            if not saturated(cast(Worker, views[worker.id]), thresholds, now):
+                return True
+        return False
+
+    def arrive(self, index: int, ids: list[int], max_tokens: int) -> None:
+        """``FlowControl.admit`` at the request's arrival (``fleet.now``)."""
+        self.catch_up()
+        t = self.fleet.now
+        workload = self.workload
+        request = EngineRequest(
+            f"r{index}", ids, max_tokens, output_token_ids=workload.output_token_ids
+        )
+        identity = Identity(workload.tenant(index), workload.priority(index))
+        queue = self.queue
+        if not len(queue) and self.can_serve(MODEL):
+            self.dispatch(index, identity.tenant, request, t)
+            return
+        if identity.sheddable and not self.can_serve(MODEL):
+            self.refuse(index, identity.tenant, len(ids), t, "shed")
+            return
+        size = len(ids) * CHARS_PER_TOKEN
+        item = Queued(identity, MODEL, size, len(ids), self.clock(), (index, request, t))
+        try:
+            queue.push(item)
+        except Refused:
+            self.refuse(index, identity.tenant, len(ids), t, "queue_full")
+            return
+        self.pump()
+
+    def pump(self) -> None:
+        """``FlowControl.pump``: refuse the expired, dispatch while some worker has room."""
+        queue = self.queue
+        for item in queue.expire():
+            index, request, t = item.payload
+            tenant = item.identity.tenant
+            self.refuse(index, tenant, len(request.prompt_token_ids), t, "queue_timeout")
+        while len(queue):
+            item = queue.pop(self.can_serve)
+            if item is None:
+                break
+            index, request, t = item.payload
+            self.dispatch(index, item.identity.tenant, request, t)
+
+    def dispatch(self, index: int, tenant: str, request: EngineRequest, arrived: float) -> None:
+        """Route the request now (KV-aware against the fleet as it is now) and start it."""
+        fleet = self.fleet
+        t = fleet.now
+        rid = request.request_id
+        fleet.submit(t, self.router.route(fleet, t, request), request)
+        self.serving[rid] = tenant
+        if t > arrived:
+            self.arrived[rid] = arrived
+            self.waits[index] = (t - arrived) / self.speed
+
+    def refuse(
+        self, index: int, tenant: str, prompt_tokens: int, arrived: float, reason: str
+    ) -> None:
+        """A client's record of a request flow control refused (429 and its reason)."""
+        res = Result(index, arrived / self.speed, tenant=tenant)
+        res.status = 429
+        res.reason = reason
+        res.prompt_tokens = prompt_tokens
+        res.error = f"429: {reason}"
+        self.refused.append(res)
+
+    def finished(self, fleet: VirtualFleet, res: RequestResult) -> None:
+        """``FlowControl.release``: charge the tenant what it was served, then pump."""
+        self.router.finished(fleet, res)
+        tenant = self.serving.pop(res.request_id, None)
+        if tenant is not None:
+            self.queue.charge(tenant, res.prompt_tokens, res.output_tokens)
+        if len(self.queue):
+            self.pump()
+
+    def run(self, pull: Callable[[], Arrival | None]) -> None:
+        """Arrivals and scrapes in time order, the fleet run up to each; scrapes only while
+        anything is in flight or waiting."""
+        fleet = self.fleet
+        speed = self.speed
+        nxt = pull()
+        while True:
+            scrape_t = self.next_scrape() if self.busy else math.inf
+            arrival_t = nxt[1] * speed if nxt is not None else math.inf
+            t = min(scrape_t, arrival_t)
+            if t == math.inf:
+                fleet.run()
+                return
+            fleet.run(until=t)
+            fleet.now = t
+            if scrape_t <= t:
+                self.scrape(self.tick + 1)
+                if len(self.queue):
+                    self.pump()
+            if nxt is not None and arrival_t <= t:
+                index, _, ids, max_tokens = nxt
+                self.arrive(index, ids, max_tokens)
+                nxt = pull()
+
+
 def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     """One policy over the whole workload; prompts are built as they arrive, and one that no
     engine can hold is refused there and then (vLLM's 400), never reaching the router."""
@@ -466,18 +805,27 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     pd = cfg.prefill_engines > 0
     router.output_token_ids = workload.output_token_ids
 
-    def submit_next() -> None:
+    def pull() -> Arrival | None:
+        """The next arrival that an engine can hold; the others are refused on the way."""
         while True:
             item = next(arrivals, None)
             if item is None:
-                return
+                return None
             index, arrival_s, ids, max_tokens = item
             if not shape.refuses(len(ids), max_tokens):
-                break
-            refused.append(_refused(index, arrival_s, len(ids), shape.max_len))
+                if not first:
+                    first.append(arrival_s * speed)
+                return item
+            refused.append(
+                _refused(index, arrival_s, len(ids), shape.max_len, workload.tenant(index))
+            )
+
+    def submit_next() -> None:
+        item = pull()
+        if item is None:
+            return
+        index, arrival_s, ids, max_tokens = item
         t = arrival_s * speed
-        if not first:
-            first.append(t)
         rid = f"r{index}"
         if pd:  # the prefill leg; its decode leg follows when it finishes
             router.pd_output[rid] = max_tokens
@@ -494,10 +842,16 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
         submit_next()
         return decide(vf, t, request)
 
-    fleet.router = route_and_feed
-    submit_next()
+    # The router queues only for unified workers (P/D pools have no unified candidates).
+    flow = SimFlow(cfg, workload, router, fleet, refused) if cfg.flow and not pd else None
     started, cpu = time.perf_counter(), time.process_time()
-    fleet.run()
+    if flow is None:
+        fleet.router = route_and_feed
+        submit_next()
+        fleet.run()
+    else:
+        fleet.on_finish = flow.finished
+        flow.run(pull)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     legs = fleet.results
     if pd:
@@ -507,7 +861,13 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
             if rid.startswith("r")
         ]
     else:
-        results = [_result(r, speed) for r in legs.values()]
+        arrived = flow.arrived if flow is not None else {}
+        results = [
+            _result(dataclasses.replace(r, arrival=arrived[rid]) if rid in arrived else r, speed)
+            for rid, r in legs.items()
+        ]
+    for res in results:
+        res.tenant = workload.tenant(res.index)
     results.extend(refused)
     served = [0] * cfg.engines
     for r in fleet.results.values():
@@ -518,12 +878,17 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
     summary.engine_hit_rate = sum(s.prefix_cache_hits for s in stats) / queried if queried else None
     ttfts = [r.ttft_s * 1e3 for r in results if r.ok and r.ttft_s is not None]
     sim_s = fleet.now - (first[0] if first else 0.0)
-    return PolicyRun(policy, summary, ttfts, sim_s, wall, cpu, router.decisions, len(refused))
+    too_long = sum(1 for r in refused if r.status == 400)
+    tenants = tenant_figures(results, flow.waits if flow is not None else {})
+    return PolicyRun(
+        policy, summary, ttfts, sim_s, wall, cpu, router.decisions, too_long, tenants,
+        flow is not None,
+    )  # fmt: skip
 
 
-def _refused(index: int, arrival_s: float, prompt_tokens: int, max_len: int) -> Result:
+def _refused(index: int, arrival_s: float, prompt_tokens: int, max_len: int, tenant: str) -> Result:
     """A client's record of a request the engine's API refused as longer than its context."""
-    res = Result(index, arrival_s)
+    res = Result(index, arrival_s, tenant=tenant)
     res.status = 400
     res.prompt_tokens = prompt_tokens
     res.error = f"400: prompt + max_tokens over the {max_len}-token context"

@@ -7,6 +7,10 @@ than simulating them, so its token ids are built from the trace's block ids dire
 one fixed run of ids per block id (equal ids share tokens exactly, a cut block is a
 prefix of the whole), one request at a time as it arrives. Its parameters are
 ``MooncakeParams``' (``speedup`` scales the rate, ``block_tokens`` the prompt size).
+
+A workload whose requests carry API keys names each request's tenant as the router would:
+by the tenant its key is configured for (the workload's own key -> tenant pairs), else
+``"default"``; the simulator's flow control queues and shares by it.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from switchyard.loadtest.workloads import WORKLOADS, build_workload
 from switchyard.loadtest.workloads.mooncake import TRACE_BLOCK_TOKENS, MooncakeParams
 from switchyard.mock.settings import DEFAULT_TOKENIZER
 from switchyard.mock.tokenizer import ModelTokenizer
+from switchyard.router.flow.identity import DEFAULT_TENANT
 
 # One arrival: (index, arrival seconds, prompt token ids, output tokens).
 Arrival = tuple[int, float, list[int], int]
@@ -50,6 +55,16 @@ class SimWorkload:
     prompts_list: list[list[int]] | None = None
     rows: list[_Row] = field(default_factory=list)
     block_tokens: int = TRACE_BLOCK_TOKENS
+    # Per request: its tenant (None: every request is the default tenant's) and its
+    # priority band (None: every request is normal, 0).
+    tenants: list[str] | None = None
+    priorities: list[int] | None = None
+
+    def tenant(self, index: int) -> str:
+        return DEFAULT_TENANT if self.tenants is None else self.tenants[index]
+
+    def priority(self, index: int) -> int:
+        return 0 if self.priorities is None else self.priorities[index]
 
     def __len__(self) -> int:
         return len(self.arrivals_s)
@@ -88,7 +103,7 @@ class SimWorkload:
     def as_workload(self) -> Workload:
         """The loadtest description (no messages) for reports."""
         requests = [
-            Request(i, t, [], out)
+            Request(i, t, [], out, tenant="" if self.tenants is None else self.tenants[i])
             for i, (t, out) in enumerate(zip(self.arrivals_s, self.max_tokens, strict=True))
         ]
         return Workload(self.name, self.seed, requests, dict(self.params))
@@ -109,7 +124,18 @@ def sim_workload(name: str, seed: int, params: dict[str, Any]) -> SimWorkload:
         [r.max_tokens for r in workload.requests],
         [filler],
         prompts_list=workload_prompts(workload),
+        tenants=_tenants(workload),
     )
+
+
+def _tenants(workload: Workload) -> list[str] | None:
+    """Each request's tenant as the router names it: by the tenant its API key is configured
+    for (the key -> tenant pairs the workload sends), ``"default"`` without a key; None when
+    no request carries a key."""
+    keys = {r.api_key: r.tenant or DEFAULT_TENANT for r in workload.requests if r.api_key}
+    if not keys:
+        return None
+    return [keys.get(r.api_key, DEFAULT_TENANT) for r in workload.requests]
 
 
 def _params(cls: type[MooncakeParams], given: dict[str, Any]) -> MooncakeParams:
