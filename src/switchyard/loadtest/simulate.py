@@ -716,9 +716,9 @@ class SimFlow:
     def pump(self) -> None:
         """``FlowControl.pump``: refuse the expired, dispatch while some worker has room."""
         queue = self.queue
-        for item in queue.expire():
-            index, request, t = item.payload
-            tenant = item.identity.tenant
+        for expired in queue.expire():
+            index, request, t = expired.payload
+            tenant = expired.identity.tenant
             self.refuse(index, tenant, len(request.prompt_token_ids), t, "queue_timeout")
         while len(queue):
             item = queue.pop(self.can_serve)
