@@ -770,6 +770,9 @@ class SimFlow:
             t = min(scrape_t, arrival_t)
             if t == math.inf:
                 fleet.run()
+                # The run ends at its last event, not at the scrape or arrival after it.
+                ends = (r.finish_time for r in fleet.results.values())
+                fleet.now = max((e for e in ends if e is not None), default=fleet.now)
                 return
             fleet.run(until=t)
             fleet.now = t
