@@ -187,6 +187,8 @@ class RouterApp:
         )
         self._routes = {route: route for route in DATA_ROUTES}
         self.flow = self._build_flow(settings, fleet, siblings)
+        if self.flow is not None:
+            self.forwarder.on_first_token = self.flow.prefilled
         flow = settings.flow
         self._tenant_header = flow.tenant_header.encode("latin-1") if flow.tenant_header else None
         self._max_priority = flow.max_priority

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -147,6 +148,9 @@ class Forwarder:
         self.kv = kv
         self.ttft_model = ttft_model
         self.deadlines = deadlines
+        # Told of each streamed first token: the worker's prompt is prefilled, and a request
+        # held back while it was busy may go now (``router.flow``).
+        self.on_first_token: Callable[[], None] | None = None
         self._rng = random.Random()
 
     def rank_for(self, ctx: Context, worker: Worker) -> int | None:
@@ -416,6 +420,8 @@ class Forwarder:
         now = time.perf_counter()
         ttft.observe(now - started)
         self.fleet.first_token(ticket)
+        if self.on_first_token is not None:
+            self.on_first_token()
         if expected is not None:
             expected.observe(now - began)
         if self.kv is not None:

@@ -338,10 +338,10 @@ class Flow(Group):
         "saturated (0: no such bound)",
     )
     max_queued_prefill_tokens: int = Field(
-        default=0,
+        default=8192,
         ge=0,
         description="a worker with this many of this router's prompt tokens not yet "
-        "prefilled is saturated (0: no such bound)",
+        "prefilled is saturated: about one engine step's token budget (0: no such bound)",
     )
     max_requests_per_band: int = Field(
         default=1000,

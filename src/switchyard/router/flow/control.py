@@ -308,6 +308,12 @@ class FlowControl:
         if len(self.queue):
             self.pump()
 
+    def prefilled(self) -> None:
+        """A worker produced a first token: its queued prefill shrank, so a waiting
+        request may fit now (rather than at the next tick)."""
+        if len(self.queue):
+            self.pump()
+
     def _started(self, model: str) -> None:
         left = self._starting[model] - 1
         if left:
