@@ -17,8 +17,9 @@ from switchyard.router.settings import Flow
 # of short chats beside it.
 NOISY = {"rate": 40.0, "duration_s": 2.0}
 # The engine admits long prompts into its running batch (its waiting queue and KV usage stay
-# under the router's default thresholds), so a router-side cap is what makes it saturated.
-CAPPED = Flow(max_inflight_per_worker=4)
+# under the router's default thresholds), so a router-side cap is what makes it saturated;
+# one cap, named, so the figures do not move with the other's default.
+CAPPED = Flow(max_inflight_per_worker=4, max_queued_prefill_tokens=0)
 
 
 def noisy(**overrides: object) -> SimConfig:
@@ -63,7 +64,12 @@ def test_flow_control_keeps_the_quiet_tenants_ttft_far_below_the_same_run_withou
 
 
 def test_every_request_ends_served_or_refused_and_only_the_served_were_routed() -> None:
-    tight = Flow(max_inflight_per_worker=1, max_requests_per_band=20, queue_ttl_s=1.0)
+    tight = Flow(
+        max_inflight_per_worker=1,
+        max_queued_prefill_tokens=0,
+        max_requests_per_band=20,
+        queue_ttl_s=1.0,
+    )
     outcome = simulate(noisy(flow_settings=tight))
     result = outcome.runs[0]
     served = sum(fig.served for fig in result.tenants.values())
@@ -130,7 +136,9 @@ def test_a_bad_flow_setting_is_a_usage_error(option: str, message: str) -> None:
 
 def test_saturation_reads_the_engines_waiting_queues_from_the_scrapes() -> None:
     # Any waiting request on an engine makes it saturated: scraped queues hold requests back.
-    strict = run(flow_settings=Flow(queue_depth=0), scrape_interval_ms=100.0)
-    lax = run(flow_settings=Flow(queue_depth=1000, kv_usage=1.0), scrape_interval_ms=100.0)
+    only_engines = {"max_inflight_per_worker": 0, "max_queued_prefill_tokens": 0}
+    strict = run(flow_settings=Flow(queue_depth=0, **only_engines), scrape_interval_ms=100.0)
+    lax = Flow(queue_depth=1000, kv_usage=1.0, **only_engines)
+    lax_run = run(flow_settings=lax, scrape_interval_ms=100.0)
     assert strict.tenants["A"].wait_ms()["p90"] > 0.0
-    assert lax.tenants["A"].wait_ms()["p90"] == 0.0
+    assert lax_run.tenants["A"].wait_ms()["p90"] == 0.0
