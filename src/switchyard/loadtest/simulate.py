@@ -26,11 +26,11 @@ Flow control runs as in the router, on by default (``SimConfig.flow``): the rout
 given), on the virtual clock. A request arriving while nothing waits and some candidate is
 not saturated is routed at once; otherwise it waits in the queue (or is refused: 429
 ``queue_full`` over a cap, ``shed`` for a negative priority, ``queue_timeout`` past the
-TTL). Waiting requests are dispatched, each routed at that moment, on every request's end
-and every scrape; a request's tenant is charged its actual prompt and output tokens at its
-end. Saturation reads engine metrics as the router's scrape would have seen them: every
-``scrape_interval_ms`` (the router's own interval by default) each worker's running and
-waiting requests and KV usage are sampled. The router does not queue for P/D pools (no
+TTL). Waiting requests are dispatched, each routed at that moment, on every request's first
+token and end and every scrape; a request's tenant is charged its actual prompt and output
+tokens at its end. Saturation reads engine metrics as the router's scrape would have seen
+them: every ``scrape_interval_ms`` (the router's own interval by default) each worker's
+running and waiting requests and KV usage are sampled. The router does not queue for P/D pools (no
 unified candidates), so neither does a P/D simulation.
 
 The engines are, unless told otherwise, the engine model's own: Llama-3.1-8B on one 80 GB
@@ -758,6 +758,13 @@ class SimFlow:
         if len(self.queue):
             self.pump()
 
+    def first_token(self, fleet: VirtualFleet, res: RequestResult) -> None:
+        """``FlowControl.prefilled``: the worker's queued prefill shrank, so a waiting
+        request may fit now."""
+        self.router.first_token(fleet, res)
+        if len(self.queue):
+            self.pump()
+
     def run(self, pull: Callable[[], Arrival | None]) -> None:
         """Arrivals and scrapes in time order, the fleet run up to each; scrapes only while
         anything is in flight or waiting."""
@@ -854,6 +861,7 @@ def run_policy(cfg: SimConfig, workload: SimWorkload, policy: str) -> PolicyRun:
         fleet.run()
     else:
         fleet.on_finish = flow.finished
+        fleet.on_first_token = flow.first_token
         flow.run(pull)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     legs = fleet.results
