@@ -98,9 +98,13 @@ class Run:
                     ],
                 }
             )
-            first = enc.first(shapes.usage(n_prompt, 0, 0) if p.continuous_usage else None)
-            if first:
-                await send({"type": "http.response.body", "body": first, "more_body": True})
+        # The role chunk goes with the first output, as vLLM's chat stream sends it: a
+        # router reads a stream's first chunk as its first token (its prefill done).
+        opening = (
+            enc.first(shapes.usage(n_prompt, 0, 0) if p.continuous_usage else None)
+            if enc is not None
+            else b""
+        )
         faults = app.faults
         slow = faults.slow_stream_ms / 1000.0 if p.stream else 0.0
         drop_at = faults.drop_at() if p.stream and faults.drop_after_tokens else 0
@@ -133,6 +137,8 @@ class Run:
                 use = shapes.usage(n_prompt, generated, cached) if p.continuous_usage else None
                 fin = ("length" if reason == "length" else reason) if out.finished else None
                 chunk = enc.chunk(delta, fin, use)
+                if opening:
+                    chunk, opening = opening + chunk, b""
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if drop_at and generated >= drop_at and not out.finished:
                     app.metrics.fault("drop")
@@ -157,7 +163,7 @@ class Run:
         kvp = app.planner.hold_prefill(plan, out, n_prompt)
         use = shapes.usage(n_prompt, generated, cached)
         if enc is not None:
-            tail = (enc.usage_chunk(use) if p.include_usage else b"") + shapes.DONE
+            tail = opening + (enc.usage_chunk(use) if p.include_usage else b"") + shapes.DONE
             self.done = True
             await send({"type": "http.response.body", "body": tail, "more_body": False})
             return
