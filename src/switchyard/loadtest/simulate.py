@@ -78,9 +78,10 @@ from switchyard.mock.kvevents import encode_batch
 from switchyard.mock.serve import engine_config
 from switchyard.mock.settings import MockSettings
 from switchyard.router.app import RouterApp
+from switchyard.router.flow.control import queue_limits_of, thresholds_of
 from switchyard.router.flow.identity import DEFAULT_TENANT, Identity
-from switchyard.router.flow.queue import FlowQueue, Queued, QueueLimits, Refused
-from switchyard.router.flow.saturation import Thresholds, saturated
+from switchyard.router.flow.queue import FlowQueue, Queued, Refused
+from switchyard.router.flow.saturation import saturated
 from switchyard.router.forward import queued_prefill
 from switchyard.router.pd.pools import Pools
 from switchyard.router.pd.settings import PDSettings
@@ -621,24 +622,8 @@ class SimFlow:
         self.router = router
         self.fleet = fleet
         self.refused = refused
-        self.thresholds = Thresholds(
-            queue_depth=flow.queue_depth,
-            kv_usage=flow.kv_usage,
-            metrics_staleness_s=flow.metrics_staleness_s,
-            max_inflight=flow.max_inflight_per_worker,
-            max_queued_prefill_tokens=flow.max_queued_prefill_tokens,
-        )
-        self.queue = FlowQueue(
-            QueueLimits(
-                max_requests_per_band=flow.max_requests_per_band,
-                max_bytes_per_band=flow.max_bytes_per_band,
-                ttl_s=flow.queue_ttl_s,
-                ordering=flow.ordering,
-                output_weight=flow.output_weight,
-                half_life_s=flow.half_life_s,
-            ),
-            self.clock,
-        )
+        self.thresholds = thresholds_of(flow)
+        self.queue = FlowQueue(queue_limits_of(flow), self.clock)
         dp = cfg.dp_size
         self.views = {
             w.id: _Scraped(w, fleet.cores[i * dp : (i + 1) * dp])

@@ -104,6 +104,29 @@ def refusal(status: int, reason: str, message: str, retry_after_s: float | None)
     return RouterError(status, message, code=reason, headers=headers)
 
 
+def thresholds_of(settings: FlowSettings) -> Thresholds:
+    """When a worker counts as saturated, from the router's ``flow`` settings."""
+    return Thresholds(
+        queue_depth=settings.queue_depth,
+        kv_usage=settings.kv_usage,
+        metrics_staleness_s=settings.metrics_staleness_s,
+        max_inflight=settings.max_inflight_per_worker,
+        max_queued_prefill_tokens=settings.max_queued_prefill_tokens,
+    )
+
+
+def queue_limits_of(settings: FlowSettings) -> QueueLimits:
+    """The queue's caps, TTL, ordering and fair-share weights, from the ``flow`` settings."""
+    return QueueLimits(
+        max_requests_per_band=settings.max_requests_per_band,
+        max_bytes_per_band=settings.max_bytes_per_band,
+        ttl_s=settings.queue_ttl_s,
+        ordering=settings.ordering,
+        output_weight=settings.output_weight,
+        half_life_s=settings.half_life_s,
+    )
+
+
 class FlowControl:
     def __init__(
         self,
@@ -120,24 +143,8 @@ class FlowControl:
         self.metrics = metrics
         self.clock = clock
         self.retry_after_s = retry_after_s
-        self.thresholds = Thresholds(
-            queue_depth=settings.queue_depth,
-            kv_usage=settings.kv_usage,
-            metrics_staleness_s=settings.metrics_staleness_s,
-            max_inflight=settings.max_inflight_per_worker,
-            max_queued_prefill_tokens=settings.max_queued_prefill_tokens,
-        )
-        self.queue = FlowQueue(
-            QueueLimits(
-                max_requests_per_band=settings.max_requests_per_band,
-                max_bytes_per_band=settings.max_bytes_per_band,
-                ttl_s=settings.queue_ttl_s,
-                ordering=settings.ordering,
-                output_weight=settings.output_weight,
-                half_life_s=settings.half_life_s,
-            ),
-            clock,
-        )
+        self.thresholds = thresholds_of(settings)
+        self.queue = FlowQueue(queue_limits_of(settings), clock)
         limits = RateLimits(settings.tenant_tokens_per_minute, settings.tenant_requests_per_minute)
         limited = any(limits.tokens_per_minute.values()) or any(limits.requests_per_minute.values())
         self.limiter = TenantRateLimiter(limits, clock, share) if limited else None
