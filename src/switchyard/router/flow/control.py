@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 
 REASON_HEADER = "x-switchyard-reason"
 PUMP_INTERVAL_S = 0.02
+# Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
+_RATE_SAMPLES = 32
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
 _PROMPT_KEY = b'"prompt_tokens"'
 _COMPLETION_KEY = b'"completion_tokens"'
@@ -153,6 +156,7 @@ class FlowControl:
         self._grants: dict[str, Grant] = {}  # the fast path's, one per tenant, reused
         self._starting: dict[str, int] = {}  # model -> dispatched, worker not yet chosen
         self._timer: asyncio.TimerHandle | None = None
+        self._dispatched_at: deque[float] = deque(maxlen=_RATE_SAMPLES)
         self._pump_soon = False
         metrics.watch(self.queue.sizes, self.saturated_models)
 
@@ -260,6 +264,7 @@ class FlowControl:
                 raise refusal(
                     429, "shed", "Every worker is saturated; sheddable request refused", None
                 )
+            self._refuse_if_hopeless(identity)
             waiter = _Waiter(asyncio.get_running_loop().create_future(), reservation)
             item = Queued(identity, model, size_bytes, prompt_tokens, self.clock(), waiter)
             try:
@@ -289,6 +294,46 @@ class FlowControl:
         except RouterError:
             self._cancel(reservation)
             raise
+
+    def expected_wait_s(self, identity: Identity) -> float | None:
+        """How long a new request of ``identity`` would wait in the queue: what goes before
+        it (every request of a higher band; in its band, its tenant's own and, from each
+        other tenant, as many as its own plus one, since tenants take equal turns) at the
+        rate requests left the queue lately, the time since the last one included so that a
+        stalled queue counts as slow. None until enough dispatches tell a rate."""
+        times = self._dispatched_at
+        if len(times) < _RATE_SAMPLES:
+            return None
+        span = self.clock() - times[0]
+        if span <= 0:
+            return 0.0
+        sizes = self.queue.sizes()
+        own = sizes.get((identity.priority, identity.tenant), 0)
+        ahead = own + 1
+        for (band, tenant), queued in sizes.items():
+            if band > identity.priority:
+                ahead += queued
+            elif band == identity.priority and tenant != identity.tenant:
+                ahead += min(queued, own + 1)
+        return ahead * span / len(times)
+
+    def _refuse_if_hopeless(self, identity: Identity) -> None:
+        """Refuse at once a request that would wait past the queue's TTL: its client learns
+        in milliseconds, not when the TTL has passed (a flood's excess, while every other
+        tenant's requests still fit)."""
+        ttl = self.queue.limits.ttl_s
+        if not ttl or not len(self.queue):
+            return
+        wait = self.expected_wait_s(identity)
+        if wait is not None and wait > ttl:
+            self.metrics.outcome("queue_full")
+            raise refusal(
+                429,
+                "queue_full",
+                f"This request would wait about {wait:.0f} s for a worker, past the "
+                f"queue's {ttl:g} s; retry later",
+                min(max(1.0, wait - ttl), ttl),
+            )
 
     def _cancel(self, reservation: Reservation | None) -> None:
         if reservation is not None and self.limiter is not None:
@@ -366,6 +411,7 @@ class FlowControl:
             self._cancel(waiter.reservation)
             return
         model = item.model
+        self._dispatched_at.append(self.clock())
         self._starting[model] = self._starting.get(model, 0) + 1
         waiter.future.set_result(Grant(item.identity.tenant, model, waiter.reservation, True))
         self.metrics.dispatched(item.identity.priority, self.clock() - item.enqueued_at)
