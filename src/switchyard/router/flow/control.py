@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 REASON_HEADER = "x-switchyard-reason"
 PUMP_INTERVAL_S = 0.02
 # Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
-_RATE_SAMPLES = 32
+_RATE_SAMPLES = 8
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
 _PROMPT_KEY = b'"prompt_tokens"'
 _COMPLETION_KEY = b'"completion_tokens"'
