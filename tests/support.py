@@ -4,9 +4,13 @@ the one way a test waits for something another thread, task or process does."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,6 +25,9 @@ TOKENIZER_DIR = Path(DEFAULT_TOKENIZER)
 
 __all__ = [
     "REPO",
+    "JSONHandler",
+    "LoopbackHTTPServer",
+    "serving",
     "TOKENIZER_DIR",
     "Server",
     "free_port",
@@ -90,3 +97,49 @@ async def eventually_async(
         if time.monotonic() > deadline:
             raise _timed_out(predicate, timeout_s, message)
         await asyncio.sleep(interval_s)
+
+
+class LoopbackHTTPServer(ThreadingHTTPServer):
+    """A threaded HTTP server on a free loopback port: a stand-in engine whose slowness is
+    its own threads', not the test's event loop's."""
+
+    daemon_threads = True
+
+    def __init__(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(("127.0.0.1", 0), handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """Kept alive unless the client closes; answers JSON; logs nothing."""
+
+    protocol_version = "HTTP/1.1"
+
+    def send_json(self, value: object, status: int = 200) -> None:
+        raw = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+S = TypeVar("S", bound=LoopbackHTTPServer)
+
+
+@contextlib.contextmanager
+def serving(server: S) -> Iterator[S]:
+    """``server`` answering in a thread of its own until the block ends."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()

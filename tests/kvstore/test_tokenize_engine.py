@@ -4,35 +4,26 @@ connection pool, and keeps its connection between calls."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from switchyard.kvstore.tokenize import RoutingTokenizer
 from switchyard.net.errors import TransportError
-from tests.support import free_port
+from tests.support import JSONHandler, LoopbackHTTPServer, free_port, serving
 
 
-class _Engine(ThreadingHTTPServer):
+class _Engine(LoopbackHTTPServer):
     """``POST /tokenize`` answering one token per word; counts connections and requests."""
 
-    daemon_threads = True
-
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.connections = 0
         self.requests = 0
         self.status = 200
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # kept alive unless the client closes
+class _Handler(JSONHandler):
     server: _Engine
 
     def setup(self) -> None:
@@ -43,25 +34,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests += 1
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         words = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
-        answer = json.dumps({"tokens": list(range(len(words.split())))}).encode()
-        self.send_response(self.server.status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+        self.send_json({"tokens": list(range(len(words.split())))}, self.server.status)
 
 
 @pytest.fixture
 def engine() -> Iterator[_Engine]:
-    server = _Engine()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(_Engine()) as server:
+        yield server
 
 
 async def test_uncached_calls_share_one_connection_and_cached_ones_send_nothing(

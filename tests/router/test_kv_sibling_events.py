@@ -67,6 +67,7 @@ async def test_blocks_an_engine_stored_reach_the_process_that_does_not_follow_it
 ) -> None:
     async with two_processes(tmp_path) as (pub, stores, _):
         await store_three_blocks(pub, stores[0], stores[1])
+        assert stores[1].events_from_sibling  # learned from the follower, not the engine
 
 
 async def test_blocks_an_engine_removed_leave_the_other_processes_index(tmp_path: Path) -> None:

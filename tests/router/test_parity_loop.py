@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Awaitable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, TypeVar
 
 import httpx
@@ -17,6 +15,7 @@ import pytest
 from switchyard.kvstore.store import KVStore
 from switchyard.kvstore.tokenize import RoutingTokenizer
 from switchyard.router.parity import ParityChecker
+from tests.support import JSONHandler, LoopbackHTTPServer, serving
 
 T = TypeVar("T")
 
@@ -34,23 +33,16 @@ def _ids(text: str) -> list[int]:
     return list(range(IDS_PER_WORD * len(text.split())))
 
 
-class _Engine(ThreadingHTTPServer):
+class _Engine(LoopbackHTTPServer):
     """A slow ``POST /tokenize`` and a ``POST /v1/chat/completions`` that counts its prompt
     in the same ids, in threads of their own (the slowness is the engine's, not the loop's)."""
 
-    daemon_threads = True
-
     def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+        super().__init__(_Handler)
         self.tokenized: list[dict[str, Any]] = []
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
 
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
+class _Handler(JSONHandler):
     server: _Engine
 
     def do_POST(self) -> None:
@@ -59,28 +51,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path == "/tokenize":
             self.server.tokenized.append(body)
             time.sleep(TOKENIZE_DELAY_S)  # the engine at work, in this server thread
-            answer: dict[str, Any] = {"tokens": _ids(text)}
+            self.send_json({"tokens": _ids(text)})
         else:
-            answer = {"usage": {"prompt_tokens": len(_ids(text)), "completion_tokens": 1}}
-        raw = json.dumps(answer).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(raw)))
-        self.end_headers()
-        self.wfile.write(raw)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+            self.send_json({"usage": {"prompt_tokens": len(_ids(text)), "completion_tokens": 1}})
 
 
 @pytest.fixture
 def engine() -> Iterator[_Engine]:
-    server = _Engine()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
+    with serving(_Engine()) as server:
+        yield server
 
 
 async def _with_lag(work: Awaitable[T], tick_s: float = 0.005) -> tuple[T, float, int]:
