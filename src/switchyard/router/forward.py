@@ -39,6 +39,9 @@ RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
 # Failures before the response head that another worker may well not have.
 _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
+# Tries of a broken worker's port, and the gap between them, before it counts as alive.
+_GONE_PROBES = 4
+_GONE_PROBE_GAP_S = 0.05
 # The routes whose requests generate nothing: retried even where a worker may have begun.
 _NON_GENERATING = frozenset({EMBEDDINGS})
 # max_tokens of a completion that omits it: the OpenAI API's default, which vLLM and SGLang
@@ -311,21 +314,26 @@ class Forwarder:
         port refuses a new connection. A request it may have begun cannot go on running
         there, so another worker may take it without the engine generating twice. A
         deadline that passed proves nothing (the engine may be busy with it), nor does a
-        port that cannot be reached (a network between)."""
+        port that cannot be reached (a network between). The port is tried a few times,
+        ``_GONE_PROBE_GAP_S`` apart: a killed engine's processes do not all end at once, and
+        one that inherited the listening socket accepts connections until it has."""
         if isinstance(exc, UpstreamTimeout | TimeoutError):
             return False
         parts = urlsplit(url)
         if parts.hostname is None:
             return False
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        try:
-            async with asyncio.timeout(self.relay.connect_timeout_s):
-                _, writer = await asyncio.open_connection(parts.hostname, port)
-        except ConnectionRefusedError:
-            return True
-        except (OSError, TimeoutError):
-            return False
-        writer.close()
+        for probe in range(_GONE_PROBES):
+            if probe:
+                await asyncio.sleep(_GONE_PROBE_GAP_S)
+            try:
+                async with asyncio.timeout(self.relay.connect_timeout_s):
+                    _, writer = await asyncio.open_connection(parts.hostname, port)
+            except ConnectionRefusedError:
+                return True
+            except (OSError, TimeoutError):
+                return False
+            writer.close()
         return False
 
     async def _relay_whole(
