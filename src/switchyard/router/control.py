@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ from switchyard.balancer.admin import admin_router
 from switchyard.balancer.worker import Role
 from switchyard.core.auth import RequireKey, admin_access, data_access, startup_line
 from switchyard.core.errors import install_error_handlers
+from switchyard.router.flow.control import thresholds_of
+from switchyard.router.flow.saturation import saturated
 from switchyard.router.metrics import METRICS_DIR_ENV, flush_metric_files
 from switchyard.router.settings import RouterSettings
 
@@ -68,6 +71,97 @@ class _FleetCollector(Collector):
                 "Cached / prompt tokens the engines reported, over answered requests.",
                 value=_total(kv.actual) / prompt if prompt else 0.0,
             )
+
+
+class _CapacityCollector(Collector):
+    """Scaling signals per model and role, read at scrape time: how many workers could take
+    a request now (flow control's saturation test, whether or not flow control is on), and
+    what waits in the router's queue. An autoscaler reads these rather than latencies,
+    which only move once engines are already queueing."""
+
+    def __init__(self, router: RouterApp) -> None:
+        self.router = router
+        self.thresholds = thresholds_of(router.settings.flow)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["model", "role"]
+        routable = GaugeMetricFamily(
+            "switchyard_router_routable_workers",
+            "Workers (or prefill/decode workers of a complete pair) that take new requests "
+            "now, as /ready counts them: 0 means every request is refused.",
+            value=float(_routable(self.router)),
+        )
+        workers = GaugeMetricFamily(
+            "switchyard_router_model_workers",
+            "Workers the router knows that serve the model, in any state.",
+            labels=labels,
+        )
+        free = GaugeMetricFamily(
+            "switchyard_router_model_free_workers",
+            "Workers of the model that take a request now without it waiting: routable and "
+            "not saturated (spare capacity).",
+            labels=labels,
+        )
+        share = GaugeMetricFamily(
+            "switchyard_router_model_saturation",
+            "Share of the model's workers with no room now (saturated, unhealthy or "
+            "draining), 0..1.",
+            labels=labels,
+        )
+        fleet = self.router.fleet
+        flow = self.router.flow
+        thresholds = flow.thresholds if flow is not None else self.thresholds
+        now = flow.clock() if flow is not None else time.monotonic()
+        counts: dict[tuple[str, str], list[int]] = {}
+        routable_ids: dict[tuple[str, str], set[str]] = {}
+        for worker in fleet.workers():
+            role = worker.role
+            for model in worker.models:
+                key = (model, str(role))
+                ids = routable_ids.get(key)
+                if ids is None:
+                    ids = routable_ids[key] = {w.id for w in fleet.candidates(model, role)}
+                known_free = counts.setdefault(key, [0, 0])
+                known_free[0] += 1
+                if worker.id in ids and not saturated(worker, thresholds, now):
+                    known_free[1] += 1
+        for (model, pool), (known, spare) in sorted(counts.items()):
+            workers.add_metric([model, pool], known)
+            free.add_metric([model, pool], spare)
+            share.add_metric([model, pool], 1.0 - spare / known)
+        yield routable
+        yield workers
+        yield free
+        yield share
+        if flow is None:
+            return
+        queued = GaugeMetricFamily(
+            "switchyard_router_model_queued",
+            "Requests waiting in the router's queue for the model.",
+            labels=["model"],
+        )
+        oldest = GaugeMetricFamily(
+            "switchyard_router_model_queue_oldest_seconds",
+            "How long the model's longest-waiting queued request has waited (0: none waits).",
+            labels=["model"],
+        )
+        waiting = flow.queue.by_model()
+        for model in sorted(set(fleet.models()) | set(waiting)):
+            count, since = waiting.get(model, (0, now))
+            queued.add_metric([model], count)
+            oldest.add_metric([model], max(0.0, now - since))
+        yield queued
+        yield oldest
+
+
+def _routable(router: RouterApp) -> int:
+    """Routable workers as /ready counts them: a P/D router serves through a complete pair."""
+    fleet = router.fleet
+    prefill, decode = fleet.candidates(None, Role.PREFILL), fleet.candidates(None, Role.DECODE)
+    routable = len(fleet.candidates(None))
+    if prefill and decode:
+        routable += len(prefill) + len(decode)
+    return routable
 
 
 def _total(counter: Counter) -> float:
@@ -121,6 +215,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
         return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} - ReDoc")
 
     router.metrics.register_live(_FleetCollector(router))
+    router.metrics.register_live(_CapacityCollector(router))
 
     install_error_handlers(app)
     settings = router.settings
@@ -135,11 +230,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
 
     @app.get("/ready", summary="At least one worker, or a prefill/decode pair, is routable")
     async def ready() -> JSONResponse:
-        fleet = router.fleet
-        prefill, decode = fleet.candidates(None, Role.PREFILL), fleet.candidates(None, Role.DECODE)
-        routable = len(fleet.candidates(None))
-        if prefill and decode:  # a P/D router serves through the pair, so it is ready
-            routable += len(prefill) + len(decode)  # with P/D workers only
+        routable = _routable(router)
         if router.draining:
             return JSONResponse(
                 status_code=503,

@@ -421,6 +421,17 @@ class FlowQueue:
             for name, member in band.members.items()
         }
 
+    def by_model(self) -> dict[str, tuple[int, float]]:
+        """Queued requests by model: (count, when its longest-waiting one was queued), for
+        the scaling signals read at scrape time."""
+        out: dict[str, tuple[int, float]] = {}
+        for band in self._bands.values():
+            for item in band.fifo:
+                if item.queued:
+                    count, first = out.get(item.model, (0, item.enqueued_at))
+                    out[item.model] = (count + 1, min(first, item.enqueued_at))
+        return out
+
     def drain(self) -> list[Queued]:
         """Empty the queue (shutdown): every queued request, higher bands first, oldest first
         within a band. Counters are kept."""
