@@ -162,6 +162,8 @@ async def replay(
             res = Result(req.index, time.perf_counter() - t0, req.tenant)
             results.append(res)
             headers = keyed[req.api_key] if req.api_key else _HEADERS
+            if req.headers:
+                headers = {**headers, **dict(req.headers)}
             task = _run(pool, url, body, headers, res, timeout_s, on_done)
             tasks.append(asyncio.create_task(task))
         await asyncio.gather(*tasks)

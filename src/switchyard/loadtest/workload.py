@@ -20,6 +20,7 @@ class Request:
     session: str = ""
     tenant: str = ""
     api_key: str = ""  # sent as ``Authorization: Bearer``: the router names the tenant by it
+    headers: tuple[tuple[str, str], ...] = ()  # more request headers (``x-priority``, ...)
 
     def body(self, model: str) -> dict[str, Any]:
         return {
