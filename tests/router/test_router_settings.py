@@ -262,6 +262,7 @@ def test_help_lists_the_options_under_their_group_headings() -> None:
         "Admission",
         "KV-aware routing",
         "Flow control",
+        "Tracing",
         "P/D",
         "Other",
     ]

@@ -50,9 +50,10 @@ from switchyard.router.metrics import (
 from switchyard.router.pd.orchestrator import build_orchestrator
 from switchyard.router.relay import Relay, send_complete
 from switchyard.router.request import DATA_ROUTES, RoutedRequest, parse
-from switchyard.router.scheduler.framework import Context, Scheduler
+from switchyard.router.scheduler.framework import Context, Explanation, Scheduler
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests
+from switchyard.router.tracing import REQUEST_ID, RequestTrace, Tracing, build_tracing
 
 log = logging.getLogger("switchyard.router")
 _T = TypeVar("_T")
@@ -195,7 +196,17 @@ class RouterApp:
         # The identities of requests that name no priority and no deadline, one per tenant.
         self._identities: dict[str, Identity] = {}
         self._draining = False
+        self.tracing: Tracing | None = None
+        self.set_tracing(build_tracing(settings.tracing))
+        self._log_request_ids = settings.log_format == "json"
         self.control = build_control_app(self)
+
+    def set_tracing(self, tracing: Tracing | None) -> None:
+        """Trace requests with ``tracing`` (None: not at all), on every path."""
+        self.tracing = tracing
+        self.forwarder.tracing = tracing
+        if self.pd is not None:
+            self.pd.set_tracing(tracing)
 
     def _build_flow(
         self, settings: RouterSettings, fleet: FleetView, siblings: SiblingBus | None
@@ -214,6 +225,7 @@ class RouterApp:
             FlowMetrics(self.metrics),
             retry_after_s=settings.retry.after_s,
             share=share,
+            siblings=siblings,
         )
 
     @property
@@ -255,6 +267,8 @@ class RouterApp:
         await self.relay.stop()
         if self.siblings is not None:
             await self.siblings.stop()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         if METRICS_DIR_ENV in os.environ:
             flush_metric_files_on(None)
 
@@ -333,9 +347,14 @@ class RouterApp:
                 forward_headers[name] = value.decode("latin-1")
         if request_id is None or not valid_request_id(request_id):
             request_id = new_request_id()
-        forward_headers["x-request-id"] = request_id.decode("ascii")
+        rid = forward_headers["x-request-id"] = request_id.decode("ascii")
         if self.worker_authorization is not None:
             forward_headers["authorization"] = self.worker_authorization
+        trace: RequestTrace | None = None
+        if self.tracing is not None:
+            trace = self.tracing.request(route, forward_headers, rid, started)
+        if self._log_request_ids:
+            REQUEST_ID.set(rid)  # this request's task has a context of its own
         extensions = scope.get("extensions") or {}
         response = _Response(send, extensions.get(STREAM_WRITER))
         status, worker_id = 500, "none"
@@ -361,6 +380,8 @@ class RouterApp:
             )
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session, self.settings.client_kv_transfer)
+            if trace is not None:
+                trace.describe(req.model, identity.tenant, priority_name(identity.priority))
             assert task is not None
             when_gone = extensions.get(CLIENT_GONE)
             if when_gone is not None:
@@ -380,11 +401,12 @@ class RouterApp:
                             req.prompt_tokens_estimate,
                             _max_tokens(req) if flow.limiter is not None else None,
                         )
-                        grant = await (
+                        waiting = (
                             admit
                             if when_gone is not None
                             else self._watching_receive(admit, receive, task, response)
                         )
+                        grant = await (waiting if trace is None else trace.queued(waiting))
                 ctx, ranked = await self.schedule(
                     req, request_id, priority_name(identity.priority), slo_header
                 )
@@ -433,6 +455,8 @@ class RouterApp:
                     self.flow.release(grant, prompt, output)
                 else:
                     self.flow.release(grant, 0, 0)
+            if trace is not None:
+                trace.end(status, worker_id)
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
         self.tenants.count(tenant, status)
@@ -474,6 +498,22 @@ class RouterApp:
 
         No I/O of its own: ``switchyard simulate`` runs this same decision on a virtual clock.
         """
+        tracing = self.tracing
+        if tracing is None:
+            return await self._schedule(req, request_id, priority, slo_header, None)
+        with tracing.span("schedule") as span:
+            ctx, ranked = await self._schedule(req, request_id, priority, slo_header, Explanation())
+            tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
+            return ctx, ranked
+
+    async def _schedule(
+        self,
+        req: RoutedRequest,
+        request_id: bytes,
+        priority: str,
+        slo_header: str | None,
+        explain: Explanation | None,
+    ) -> tuple[Context, list[Worker]]:
         began = time.perf_counter()
         candidates = self.fleet.candidates(req.model)
         if not candidates:
@@ -486,6 +526,7 @@ class RouterApp:
             prompt_tokens=req.prompt_tokens_estimate,
             request_id=request_id.decode("latin-1"),
             priority=priority,
+            explain=explain,
         )
         if (
             self.kv is not None

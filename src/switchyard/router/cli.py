@@ -9,13 +9,14 @@ import click
 from switchyard.core.cliopts import CliError, require_tokenizer, settings_command
 from switchyard.router.settings import RouterSettings
 
-# The short spellings the README and deploy/ use.
+# The short spellings the README and deploy/ use, and engines' own where they have one.
 ALIASES = {
     "workers": ["--worker", "-w"],
     "redis_url": ["--redis", "--redis-url"],
     "pd.prefill": ["--prefill"],
     "pd.decode": ["--decode"],
     "pd.encode": ["--encode"],
+    "tracing.otlp_traces_endpoint": ["--otlp-traces-endpoint"],  # vLLM's spelling
 }
 
 

@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prometheus_client import Histogram
@@ -34,6 +35,9 @@ from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, se
 from switchyard.router.request import COMPLETIONS, EMBEDDINGS, RoutedRequest
 from switchyard.router.scheduler.framework import Context
 from switchyard.router.upstream import Call, Unsent, may_have_started
+
+if TYPE_CHECKING:
+    from switchyard.router.tracing import Tracing
 
 RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
@@ -154,6 +158,8 @@ class Forwarder:
         # Told of each streamed first token: the worker's prompt is prefilled, and a request
         # held back while it was busy may go now (``router.flow``).
         self.on_first_token: Callable[[], None] | None = None
+        # Each attempt a CLIENT span when set (``router.tracing``).
+        self.tracing: Tracing | None = None
         self._rng = random.Random()
 
     def rank_for(self, ctx: Context, worker: Worker) -> int | None:
@@ -239,6 +245,7 @@ class Forwarder:
             headers,
             prompt_tokens=ctx.prompt_tokens,
             prefill_tokens=queued_prefill(ctx, worker),
+            tracing=self.tracing,
         )
         deadlines = self.deadlines
         # A late worker is left for another only where the request may be run twice;
@@ -279,6 +286,8 @@ class Forwarder:
                         if self.kv is not None and status == 200:
                             self.kv.observe_usage(ctx, worker.id, tail)
                         ctx.tail, ctx.generated = tail, call.ticket.generated  # usage, for flow
+                        if self.tracing is not None:
+                            self.tracing.usage(call.span, tail)
                         return status, worker.id
                 finally:
                     resp.close()

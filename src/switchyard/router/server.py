@@ -39,6 +39,7 @@ from switchyard.router.mainloop import install, request_exit
 from switchyard.router.metrics import METRICS_DIR_ENV, write_metrics_behind
 from switchyard.router.scheduler.policies import build_scheduler
 from switchyard.router.settings import RouterSettings
+from switchyard.router.tracing import JsonFormatter
 
 
 def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
@@ -356,6 +357,13 @@ def _drain_on_signals(app: RouterApp) -> None:
 
 
 def _logging(settings: RouterSettings) -> None:
+    """The root logger's one handler on stderr, in the ``log_format`` asked for; uvicorn's
+    own loggers write through it too when it is json (``_uvicorn_options``)."""
+    if settings.log_format == "json":
+        handler = logging.StreamHandler()
+        handler.setFormatter(JsonFormatter())
+        logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+        return
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -428,4 +436,6 @@ def _uvicorn_options(settings: RouterSettings) -> dict[str, Any]:
         ),
         "server_header": False,
         "date_header": False,
+        # json: no uvicorn handlers of its own, so its lines reach the root's JSON handler.
+        **({"log_config": None} if settings.log_format == "json" else {}),
     }

@@ -2,8 +2,8 @@
 
 The knobs come in groups, each one value with its own repr (``settings.timeouts``,
 ``settings.limits``, ``settings.retry``, ``settings.tls``, ``settings.admission``,
-``settings.kv``, ``settings.flow``, ``settings.pd``), so a reader sees the eight timeouts
-as one thing.
+``settings.kv``, ``settings.flow``, ``settings.tracing``, ``settings.pd``), so a reader
+sees the eight timeouts as one thing.
 """
 
 from __future__ import annotations
@@ -405,6 +405,33 @@ class Flow(Group):
         return value.lower() if value else None
 
 
+class Tracing(Group):
+    """OpenTelemetry traces of the requests the router routes, sent over OTLP. The standard
+    ``OTEL_*`` variables apply beneath these (service name, headers, sampler, endpoint)."""
+
+    heading: ClassVar[str] = "Tracing"
+
+    otlp_traces_endpoint: str | None = Field(
+        default=None,
+        description="OTLP collector URL for traces (http/protobuf: the full URL, e.g. "
+        "http://collector:4318/v1/traces); unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing",
+    )
+    sample_ratio: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="fraction of requests without a sampled parent that are traced "
+        "(parent-based: a client's traceparent decides for its own); unset: "
+        "OTEL_TRACES_SAMPLER and OTEL_TRACES_SAMPLER_ARG, else 1",
+    )
+    protocol: Literal["http/protobuf", "grpc"] | None = Field(
+        default=None,
+        description="OTLP protocol; unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf",
+    )
+
+
 # Where each setting that moved into a group used to live, read for one release.
 MOVED = {
     "connect_timeout_s": "timeouts.connect_s",
@@ -447,7 +474,7 @@ class RouterSettings(ServiceSettings):
     section = "router"
     moved = MOVED
     headings = {
-        "Service": ("host", "port", "processes", "log_level"),
+        "Service": ("host", "port", "processes", "log_level", "log_format"),
         "Fleet and routing": (
             "workers",
             "policy",
@@ -479,6 +506,11 @@ class RouterSettings(ServiceSettings):
         "use); they share in-flight counts, admin changes and placements",
     )
     log_level: str = Field(default="warning", description="uvicorn and router log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="router log lines: text, or json (one object a line, with the request id "
+        "and trace id of a line logged while routing a request)",
+    )
 
     workers: list[str] = Field(
         default_factory=list,
@@ -545,6 +577,7 @@ class RouterSettings(ServiceSettings):
     admission: Admission = Field(default_factory=Admission)
     kv: KV = Field(default_factory=KV)
     flow: Flow = Field(default_factory=Flow)
+    tracing: Tracing = Field(default_factory=Tracing)
     # Disaggregated serving (prefill/decode/encode pools and the engine protocol).
     pd: PDSettings = Field(default_factory=PDSettings)
 

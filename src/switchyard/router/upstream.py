@@ -21,11 +21,17 @@ the request, which decides whether another worker may be asked (``router.forward
 from __future__ import annotations
 
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
 from switchyard.net.errors import ConnectError, InvalidHeader, TransportError
 from switchyard.router.relay import UpstreamTimeout
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from switchyard.router.tracing import Tracing
 
 
 class Unsent(Exception):
@@ -70,9 +76,22 @@ def may_have_started(exc: BaseException) -> bool:
 
 class Call:
     """A request to ``rank`` of ``worker``, counted in flight from creation until the
-    ``with`` block ends; the block's exception (or the answered status) is the outcome."""
+    ``with`` block ends; the block's exception (or the answered status) is the outcome.
 
-    __slots__ = ("fleet", "ticket", "url", "headers", "answered", "outcome")
+    Traced (``tracing``), the call is a CLIENT span over the same stretch, and its
+    ``headers`` carry that span's traceparent to the worker."""
+
+    __slots__ = (
+        "fleet",
+        "ticket",
+        "url",
+        "headers",
+        "answered",
+        "outcome",
+        "status",
+        "tracing",
+        "span",
+    )
 
     def __init__(
         self,
@@ -84,10 +103,17 @@ class Call:
         *,
         prompt_tokens: int,
         prefill_tokens: int | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         base, extra = fleet.address(worker, rank)
         self.url = base + path
         self.headers = {**headers, **extra} if extra else headers
+        self.status: int | None = None
+        self.tracing = tracing
+        self.span: Span | None = None
+        if tracing is not None:
+            self.span = tracing.client(self.url, path, worker, rank)
+            self.headers = tracing.inject(self.span, self.headers)
         self.fleet = fleet
         self.ticket: Ticket = fleet.begin(
             worker, prompt_tokens=prompt_tokens, dp_rank=rank, prefill_tokens=prefill_tokens
@@ -98,6 +124,7 @@ class Call:
     def head(self, status: int) -> None:
         """The response head arrived: from here on a failure is the answer breaking off."""
         self.answered = True
+        self.status = status
         self.outcome = Outcome.SERVER_ERROR if status >= 500 else Outcome.SUCCESS
 
     def __enter__(self) -> Call:
@@ -112,3 +139,6 @@ class Call:
         if exc is not None:
             self.outcome = outcome_of(exc, self.answered)
         self.fleet.end(self.ticket, self.outcome)
+        if self.span is not None:
+            assert self.tracing is not None
+            self.tracing.end_client(self.span, self.status, str(self.outcome))

@@ -7,7 +7,7 @@ router's Forwarder (retries before the first byte, streaming relay).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -16,6 +16,9 @@ from switchyard.balancer.worker import Outcome, Worker
 from switchyard.net.errors import TransportError
 from switchyard.router.relay import Relay
 from switchyard.router.upstream import Call
+
+if TYPE_CHECKING:
+    from switchyard.router.tracing import Tracing
 
 
 class LegError(Exception):
@@ -43,10 +46,13 @@ async def call_json(
     *,
     timeout_s: float,
     prompt_tokens: int,
+    tracing: Tracing | None = None,
 ) -> dict[str, Any]:
-    """POST ``body`` to ``worker``; the parsed JSON answer, or LegError. Cancel aborts the call."""
+    """POST ``body`` to ``worker``; the parsed JSON answer, or LegError. Cancel aborts the call.
+
+    ``tracing``: the call is a CLIENT span (``router.upstream.Call``)."""
     rank = fleet.choose_rank(worker, prompt_tokens=prompt_tokens)
-    call = Call(fleet, worker, rank, path, headers, prompt_tokens=prompt_tokens)
+    call = Call(fleet, worker, rank, path, headers, prompt_tokens=prompt_tokens, tracing=tracing)
     try:
         with call:
             async with asyncio.timeout(timeout_s):

@@ -35,6 +35,7 @@ from switchyard.router.scheduler.framework import Context
 
 if TYPE_CHECKING:
     from switchyard.router.kv import KVAwareness
+    from switchyard.router.tracing import Tracing
 
 PD_ROUTES = frozenset({CHAT, COMPLETIONS})
 
@@ -127,6 +128,12 @@ class PDOrchestrator:
             ttft_model=forwarder.ttft_model,
             started_requests=forwarder.started_requests,
         )
+        self.tracing: Tracing | None = None
+
+    def set_tracing(self, tracing: Tracing | None) -> None:
+        """Legs as spans (``encode``, ``prefill``, ``decode``, ``kv_transfer``) when set."""
+        self.tracing = tracing
+        self.stream_forwarder.tracing = tracing
 
     async def start(self) -> None:
         await self.transfer_relay.start()
@@ -193,7 +200,7 @@ class PDOrchestrator:
             await self.kv.placed(ctx, worker, None)
 
     async def _prefill_leg(self, job: _Job, worker: Worker, body: bytes) -> dict[str, Any]:
-        return await call_json(
+        call = call_json(
             self.fleet,
             self.relay,
             worker,
@@ -202,7 +209,12 @@ class PDOrchestrator:
             job.headers,
             timeout_s=self.settings.prefill_timeout_s,
             prompt_tokens=job.req.prompt_tokens_estimate,
+            tracing=self.tracing,
         )
+        if self.tracing is None:
+            return await call
+        with self.tracing.span("prefill", {"switchyard.worker": worker.id}):
+            return await call
 
     # vLLM: prefill leg, then decode leg with the prefill's kv_transfer_params.
 
@@ -237,7 +249,7 @@ class PDOrchestrator:
         else:
             decode_req = replace(req, body=wire.vllm_decode(req.data, params))
         self._path("disaggregated")
-        result = await self._forward(job, decode_req, decode, transfer=True)
+        result = await self._decode(job, decode_req, decode)
         self._observe_decode(job.watch, prefill_done)
         return result
 
@@ -254,7 +266,7 @@ class PDOrchestrator:
             leg_started = time.perf_counter()
             prefill_task = asyncio.create_task(self._prefill_leg(job, worker, body))
             decode_task = asyncio.create_task(
-                self._forward(job, replace(job.req, body=body), decode, transfer=True)
+                self._decode(job, replace(job.req, body=body), decode)
             )
             try:
                 await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -300,6 +312,14 @@ class PDOrchestrator:
     async def _encode(
         self, req: RoutedRequest, refs: list[str], headers: dict[str, str], rid: str
     ) -> RoutedRequest:
+        if self.tracing is None:
+            return await self._encode_leg(req, refs, headers, rid)
+        with self.tracing.span("encode", {"switchyard.images": len(refs)}):
+            return await self._encode_leg(req, refs, headers, rid)
+
+    async def _encode_leg(
+        self, req: RoutedRequest, refs: list[str], headers: dict[str, str], rid: str
+    ) -> RoutedRequest:
         workers = self.fleet.candidates(req.model, Role.ENCODE)
         ctx = self.pools.context(req, rid, key=image_key(refs))
         body = orjson.dumps(wire.one_token(req.data))
@@ -317,6 +337,7 @@ class PDOrchestrator:
                     headers,
                     timeout_s=self.settings.encode_timeout_s,
                     prompt_tokens=0,
+                    tracing=self.tracing,
                 )
             except LegError as exc:
                 self._leg_failed("encode", exc)
@@ -396,6 +417,13 @@ class PDOrchestrator:
                 code="kv_transfer_timeout",
             ) from None
 
+    async def _decode(self, job: _Job, req: RoutedRequest, ranked: list[Worker]) -> tuple[int, str]:
+        """The decode leg of a disaggregated request (a ``decode`` span when traced)."""
+        if self.tracing is None:
+            return await self._forward(job, req, ranked, transfer=True)
+        with self.tracing.span("decode"):
+            return await self._forward(job, req, ranked, transfer=True)
+
     async def _pass_error(self, job: _Job, exc: LegError, worker: Worker) -> tuple[int, str]:
         """A leg's client error (bad request, context too long) goes back as the engine said it."""
         body = exc.body or b""
@@ -418,6 +446,8 @@ class PDOrchestrator:
         if not watch.is_sse or watch.head_at is None or not prefill_done:
             return
         self._phase("transfer", watch.head_at - prefill_done)
+        if self.tracing is not None:
+            self.tracing.mark("kv_transfer", prefill_done, watch.head_at, {})
         if watch.first_at is not None:
             self._phase("decode_first_token", watch.first_at - watch.head_at)
 

@@ -20,6 +20,16 @@ if TYPE_CHECKING:
 
 
 @dataclass(slots=True)
+class Explanation:
+    """What one scheduling cycle looked at, kept only when asked (a traced request): the
+    candidates it got, the workers the filters left, and each scorer's values for them."""
+
+    candidates: int = 0
+    workers: list[str] = field(default_factory=list)
+    scores: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class Context:
     """What a scheduling decision may look at; filled by the router before the cycle.
 
@@ -44,6 +54,8 @@ class Context:
     # The answer's last bytes (where an engine's usage is) and the tokens the relay counted.
     tail: bytes = b""
     generated: int = 0
+    # Filled by the cycle when set (``Explanation``); None on an untraced request.
+    explain: Explanation | None = None
 
     def uncached(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to prefill."""
@@ -109,10 +121,15 @@ class Scheduler:
         return self.picker.uses_prefix or any(scorer.uses_prefix for scorer, _ in self.scorers)
 
     def schedule(self, ctx: Context, workers: list[Worker]) -> list[Worker]:
+        explain = ctx.explain
+        if explain is not None:
+            explain.candidates = len(workers)
         for f in self.filters:
             workers = f.filter(ctx, workers)
             if not workers:
                 return workers
+        if explain is not None:
+            explain.workers = [w.id for w in workers]
         order = self.picker.order(ctx, workers, self.combined_scores(ctx, workers))
         if self.guard is not None and len(order) > 1:
             order = self.guard.apply(ctx, order)
@@ -126,5 +143,7 @@ class Scheduler:
         for scorer, weight in self.scorers:
             weight_sum += weight
             values = scorer.score(ctx, workers)
+            if ctx.explain is not None:
+                ctx.explain.scores[scorer.name] = values
             total = [t + weight * v for t, v in zip(total, values, strict=True)]
         return [t / weight_sum for t in total] if weight_sum else total

@@ -1,0 +1,355 @@
+"""OpenTelemetry traces of the requests the router routes, and its JSON log lines.
+
+Tracing is off unless an OTLP endpoint is configured (``tracing.otlp_traces_endpoint``, else
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``). Off, the router
+loads neither the tracing SDK nor an exporter, and the request path holds ``None`` where a
+``Tracing`` would be, so it makes no span object. On, one request's spans are::
+
+    POST /v1/chat/completions    SERVER, child of the client's traceparent if it sent one
+    ├── queue                    the wait in flow control's queue (only if it waited)
+    ├── schedule                 candidates, each scorer's scores, the chosen worker
+    └── POST /v1/chat/completions  CLIENT, one per attempt; the engine gets its traceparent
+
+and on the P/D path ``encode``, ``prefill`` and ``decode`` (each around its CLIENT spans) and
+``kv_transfer`` (from the prefill's answer to the decode's first byte, for a stream). The
+standard ``OTEL_*`` variables configure what the settings leave unset (service name,
+resource attributes, exporter headers and timeouts, sampler).
+
+The tracer provider is the router's own, not the global one: an engine or a test in the
+same process keeps its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar, Token
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from switchyard.router.errors import RouterError
+from switchyard.router.flow.control import served_tokens
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context as OtelContext
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.trace import Span
+
+    from switchyard.balancer.worker import Worker
+    from switchyard.router.flow.control import Grant
+    from switchyard.router.scheduler.framework import Context, Explanation
+    from switchyard.router.settings import Tracing as TracingSettings
+
+SERVICE_NAME = "switchyard-router"
+_ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+_PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+# The OpenAI routes' GenAI operation names (gen_ai.operation.name).
+_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/embeddings": "embeddings",
+}
+# Longest worker list a schedule span names (a large fleet would make every span large).
+_MAX_LISTED = 16
+
+# The request being routed, for log lines; set only while JSON logs are on.
+REQUEST_ID: ContextVar[str | None] = ContextVar("switchyard_request_id", default=None)
+# The server span of the request being routed, for what the legs learn (usage).
+_SERVER_SPAN: ContextVar[Span | None] = ContextVar("switchyard_server_span", default=None)
+
+
+def _from_env(names: tuple[str, ...], environ: Mapping[str, str]) -> str | None:
+    for name in names:
+        value = environ.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def enabled(settings: TracingSettings, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the router traces: an endpoint is set and the SDK is not disabled."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return bool(settings.otlp_traces_endpoint or _from_env(_ENDPOINT_ENV, environ))
+
+
+def build_tracing(
+    settings: TracingSettings,
+    environ: Mapping[str, str] = os.environ,
+    exporter: SpanExporter | None = None,
+) -> Tracing | None:
+    """The router's tracing, or None when it is off (no OpenTelemetry import then).
+
+    ``exporter`` replaces the OTLP exporter and exports each span as it ends (tests)."""
+    if exporter is None and not enabled(settings, environ):
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+    named = environ.get("OTEL_SERVICE_NAME") or "service.name=" in environ.get(
+        "OTEL_RESOURCE_ATTRIBUTES", ""
+    )
+    resource = Resource.create({} if named else {"service.name": SERVICE_NAME})
+    ratio = settings.sample_ratio
+    # None: the SDK reads OTEL_TRACES_SAMPLER(_ARG), whose default is parent-based always-on.
+    sampler = None if ratio is None else ParentBased(TraceIdRatioBased(ratio))
+    provider = TracerProvider(resource=resource, sampler=sampler)
+    if exporter is not None:
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    else:
+        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(settings, environ)))
+    return Tracing(provider)
+
+
+def _otlp_exporter(settings: TracingSettings, environ: Mapping[str, str]) -> SpanExporter:
+    protocol = settings.protocol or _from_env(_PROTOCOL_ENV, environ) or "http/protobuf"
+    endpoint = settings.otlp_traces_endpoint  # None: the exporter reads OTEL_EXPORTER_OTLP_*
+    if protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+                OTLPSpanExporter as GrpcExporter,
+            )
+        except ImportError:
+            raise ValueError(
+                "OTLP over gRPC needs opentelemetry-exporter-otlp-proto-grpc: "
+                "pip install 'switchyard[otlp-grpc]'"
+            ) from None
+        return GrpcExporter(endpoint=endpoint)
+    if protocol != "http/protobuf":
+        raise ValueError(f"OTLP protocol {protocol!r}: use http/protobuf or grpc")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+def _ns(perf: float) -> int:
+    """A ``time.perf_counter()`` reading as the wall-clock nanoseconds spans are dated in."""
+    return time.time_ns() - int((time.perf_counter() - perf) * 1e9)
+
+
+class Tracing:
+    """The router's tracer and the spans it makes; one per router process."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self.provider = provider
+        self.tracer = provider.get_tracer("switchyard.router")
+        self._context = context
+        self._trace = trace
+        self._server_kind = SpanKind.SERVER
+        self._client_kind = SpanKind.CLIENT
+        self._error = Status(StatusCode.ERROR)
+        self._propagator = TraceContextTextMapPropagator()
+
+    def shutdown(self) -> None:
+        """Export what is still batched, then stop the exporter."""
+        self.provider.shutdown()
+
+    # -- the request ---------------------------------------------------------------------
+
+    def request(
+        self, route: str, headers: Mapping[str, str], request_id: str, started: float
+    ) -> RequestTrace:
+        """The server span of a request on ``route`` (the current span until ``end``),
+        child of the client's ``traceparent`` in ``headers``; ``started``: perf_counter."""
+        parent = self._propagator.extract(headers) if "traceparent" in headers else None
+        span = self.tracer.start_span(
+            f"POST {route}",
+            context=parent or self._context.Context(),
+            kind=self._server_kind,
+            attributes={
+                "http.request.method": "POST",
+                "http.route": route,
+                "url.path": route,
+                "gen_ai.operation.name": _OPERATIONS.get(route, route),
+                "switchyard.request_id": request_id,
+            },
+            start_time=_ns(started),
+        )
+        ctx = self._trace.set_span_in_context(span, parent)
+        token = self._context.attach(ctx)
+        return RequestTrace(self, span, token, _SERVER_SPAN.set(span))
+
+    @contextmanager
+    def span(self, name: str, attributes: dict[str, Any] | None = None) -> Iterator[Span]:
+        """An internal span, current inside the block; an exception marks it failed."""
+        with self.tracer.start_as_current_span(name, attributes=attributes) as span:
+            yield span
+
+    def describe_schedule(
+        self, span: Span, policy: str, ctx: Context, ranked: list[Worker]
+    ) -> None:
+        """What the scheduling cycle saw and chose, on its span."""
+        first = ranked[0]
+        attributes: dict[str, Any] = {
+            "switchyard.policy": policy,
+            "switchyard.schedule.worker": first.id,
+            "switchyard.schedule.order": [w.id for w in ranked[:_MAX_LISTED]],
+            "switchyard.schedule.reason": ctx.reason
+            or ("prefix" if ctx.matched.get(first.id, 0.0) > 0 else "load"),
+            "switchyard.schedule.prompt_tokens": ctx.prompt_tokens,
+            "switchyard.schedule.predicted_cached_tokens": int(ctx.matched.get(first.id, 0.0)),
+        }
+        explain: Explanation | None = ctx.explain
+        if explain is not None:
+            attributes["switchyard.schedule.candidates"] = explain.candidates
+            if len(explain.workers) <= _MAX_LISTED:
+                attributes["switchyard.schedule.scored"] = explain.workers
+                for scorer, values in explain.scores.items():
+                    attributes[f"switchyard.schedule.score.{scorer}"] = values
+        span.set_attributes(attributes)
+
+    def mark(self, name: str, began: float, ended: float, attributes: dict[str, Any]) -> None:
+        """A span for a stretch measured after the fact (perf_counter readings), a child of
+        the current span."""
+        span = self.tracer.start_span(name, attributes=attributes, start_time=_ns(began))
+        span.end(end_time=_ns(ended))
+
+    # -- upstream calls --------------------------------------------------------------------
+
+    def client(self, url: str, path: str, worker: Worker, rank: int | None) -> Span:
+        """The CLIENT span of one call to ``worker``, child of the current span."""
+        host, _, port = url.partition("://")[2].partition("/")[0].rpartition(":")
+        attributes: dict[str, Any] = {
+            "http.request.method": "POST",
+            "url.full": url,
+            "server.address": host or port,
+            "switchyard.worker": worker.id,
+        }
+        if host and port.isdigit():
+            attributes["server.port"] = int(port)
+        if rank is not None:
+            attributes["switchyard.dp_rank"] = rank
+        return self.tracer.start_span(f"POST {path}", kind=self._client_kind, attributes=attributes)
+
+    def inject(self, span: Span, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` with a traceparent whose parent is ``span`` (the client's
+        ``tracestate`` goes on unchanged: it travels in the span's context)."""
+        out = dict(headers)
+        self._propagator.inject(out, self._trace.set_span_in_context(span))
+        return out
+
+    def end_client(self, span: Span, status: int | None, outcome: str) -> None:
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+        span.set_attribute("switchyard.outcome", outcome)
+        if outcome not in ("success", "client_abort") or (status or 0) >= 500:
+            span.set_status(self._error)
+        span.end()
+
+    def usage(self, span: Span | None, tail: bytes) -> None:
+        """The engine's token counts, where its answer's ``usage`` says them, on ``span``
+        (the attempt) and on the request's server span."""
+        if not tail:
+            return
+        prompt, output = served_tokens(tail, -1, -1)
+        if prompt < 0:
+            return
+        attributes = {"gen_ai.usage.input_tokens": prompt}
+        if output >= 0:
+            attributes["gen_ai.usage.output_tokens"] = output
+        server = _SERVER_SPAN.get()
+        for target in (span, server):
+            if target is not None:
+                target.set_attributes(attributes)
+
+
+class RequestTrace:
+    """One traced request: its server span, current until ``end``."""
+
+    __slots__ = ("tracing", "span", "_token", "_server_token")
+
+    def __init__(
+        self,
+        tracing: Tracing,
+        span: Span,
+        token: Token[OtelContext],
+        server_token: Token[Span | None],
+    ) -> None:
+        self.tracing = tracing
+        self.span = span
+        self._token = token
+        self._server_token = server_token
+
+    def describe(self, model: str, tenant: str, priority: str) -> None:
+        self.span.set_attributes(
+            {
+                "gen_ai.request.model": model,
+                "switchyard.tenant": tenant,
+                "switchyard.priority": priority,
+            }
+        )
+
+    async def queued(self, wait: Awaitable[Grant]) -> Grant:
+        """``wait`` (flow control's admission); a ``queue`` span if the request waited."""
+        began = time.perf_counter()
+        try:
+            grant = await wait
+        except asyncio.CancelledError:
+            self._queue_span(began, "client_gone")
+            raise
+        except RouterError as exc:
+            if exc.code == "queue_timeout":
+                self._queue_span(began, exc.code)
+            raise
+        if grant.starting:  # dispatched from the queue rather than granted on arrival
+            self._queue_span(began, "dispatched")
+        return grant
+
+    def _queue_span(self, began: float, outcome: str) -> None:
+        attributes = {"switchyard.queue.outcome": outcome}
+        self.tracing.mark("queue", began, time.perf_counter(), attributes)
+
+    def end(self, status: int, worker_id: str) -> None:
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        span.set_attribute("switchyard.worker", worker_id)
+        if status >= 500:
+            span.set_status(self.tracing._error)
+        span.end()
+        _SERVER_SPAN.reset(self._server_token)
+        self.tracing._context.detach(self._token)
+
+
+# -- JSON logs -----------------------------------------------------------------------------
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: time, level, logger, message, and the request id and trace
+    id of a line logged while a request is routed (for log pipelines that join on them)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        request_id = REQUEST_ID.get()
+        if request_id is not None:
+            line["request_id"] = request_id
+        span = _SERVER_SPAN.get()
+        if span is not None:
+            context = span.get_span_context()
+            if context.is_valid:
+                line["trace_id"] = f"{context.trace_id:032x}"
+                line["span_id"] = f"{context.span_id:016x}"
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            line["exception"] = record.exc_text
+        if record.stack_info:
+            line["stack"] = self.formatStack(record.stack_info)
+        return orjson.dumps(line, default=str).decode()
