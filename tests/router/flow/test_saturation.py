@@ -99,3 +99,23 @@ def test_unhealthy_or_draining_workers_take_nothing_even_when_idle() -> None:
     leaving.draining = True
     assert saturated(sick, DEFAULTS, NOW)
     assert saturated(leaving, DEFAULTS, NOW)
+
+
+def test_while_siblings_wait_each_process_keeps_to_its_part_of_the_caps() -> None:
+    cap = Thresholds(max_queued_prefill_tokens=8000, max_inflight=4)
+    # this process holds 3000 of the worker's prefill, a sibling 1000: 4000 of 8000 in all
+    shared = worker(inflight=2, prefill=3000, remote_prefill=1000)
+    shared.local_inflight = 1
+    assert not saturated(shared, cap, NOW, contenders=1)
+    # two processes wait: this one's part is 4000 tokens and 2 requests
+    assert not saturated(shared, cap, NOW, contenders=2)
+    # three wait: its part is 2666 tokens, and it holds 3000 of them
+    assert saturated(shared, cap, NOW, contenders=3)
+    # the sibling's share is not this process's: under its part, the total does not bind
+    mine_small = worker(inflight=3, prefill=1000, remote_prefill=9000)
+    mine_small.local_inflight = 1
+    assert saturated(mine_small, cap, NOW, contenders=1)
+    assert not saturated(mine_small, cap, NOW, contenders=2)
+    many = worker(inflight=3, prefill=0)
+    many.local_inflight = 2
+    assert saturated(many, cap, NOW, contenders=2)

@@ -14,6 +14,9 @@ granted, so the KV-aware choice is made against the fleet as it is at dispatch.
 - A dispatched request counts as ``starting`` until the app says it ``begun`` (its worker
   chosen): the router's in-flight counts, which ``saturated`` reads, only grow once the
   request reaches a worker, so without it one pump would release the whole queue at once.
+- Under ``--processes N`` each process tells its siblings, over the router's bus, while it
+  has requests waiting (at once when it starts to, again every ``ANNOUNCE_S`` while it
+  does), and keeps to its part of the caps while others do (see ``saturated``).
 
 Every waiter ends: granted, 429 ``queue_full``/``queue_timeout``, 503 ``shutting_down``,
 or removed when its client goes (the caller's task is cancelled).
@@ -41,6 +44,7 @@ from switchyard.router.flow.ratelimit import (
 from switchyard.router.flow.saturation import Thresholds, saturated
 
 if TYPE_CHECKING:
+    from switchyard.balancer.siblings import SiblingBus
     from switchyard.balancer.view import FleetView
     from switchyard.balancer.worker import Worker
     from switchyard.router.metrics import FlowMetrics
@@ -48,6 +52,10 @@ if TYPE_CHECKING:
 
 REASON_HEADER = "x-switchyard-reason"
 PUMP_INTERVAL_S = 0.02
+TOPIC = b"flow"  # sibling-bus topic: b"1" while a process has requests waiting, else b"0"
+ANNOUNCE_S = 0.5  # a waiting process says so again this often
+# A sibling not heard saying it waits for this long is taken not to (it may have died).
+CONTENDER_TTL_S = 3 * ANNOUNCE_S
 # Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
 _RATE_SAMPLES = 8
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
@@ -139,9 +147,11 @@ class FlowControl:
         clock: Callable[[], float] = time.monotonic,
         retry_after_s: float = 1.0,
         share: Share | None = None,
+        siblings: SiblingBus | None = None,
     ) -> None:
         """``retry_after_s``: what a refused client is told when no better figure is known;
-        ``share``: how the rate limits are shared with other processes and replicas."""
+        ``share``: how the rate limits are shared with other processes and replicas;
+        ``siblings``: the bus to this router's other processes, to share the caps with."""
         self.fleet = fleet
         self.metrics = metrics
         self.clock = clock
@@ -158,6 +168,11 @@ class FlowControl:
         self._timer: asyncio.TimerHandle | None = None
         self._dispatched_at: deque[float] = deque(maxlen=_RATE_SAMPLES)
         self._pump_soon = False
+        self.siblings = siblings
+        self._waiting_siblings: dict[str, float] = {}  # origin -> when it last said so
+        self._announced_at: float | None = None  # when this process last said it waits
+        if siblings is not None:
+            siblings.on(TOPIC, self._heard)
         metrics.watch(self.queue.sizes, self.saturated_models)
 
     async def start(self) -> None:
@@ -171,12 +186,20 @@ class FlowControl:
 
     # -- capacity ----------------------------------------------------------------------
 
+    def contenders(self, now: float) -> int:
+        """This process and the siblings that have requests waiting."""
+        waiting = self._waiting_siblings
+        if not waiting:
+            return 1
+        return 1 + sum(1 for heard in waiting.values() if now - heard <= CONTENDER_TTL_S)
+
     def free_workers(self, candidates: list[Worker], now: float) -> int:
         """How many of ``candidates`` are not saturated."""
         free = 0
         thresholds = self.thresholds
+        contenders = self.contenders(now)
         for worker in candidates:
-            if not saturated(worker, thresholds, now):
+            if not saturated(worker, thresholds, now, contenders):
                 free += 1
         return free
 
@@ -190,8 +213,9 @@ class FlowControl:
         needed = self._starting.get(model, 0)  # free workers the dispatched ones will take
         thresholds = self.thresholds
         now = self.clock()
+        contenders = self.contenders(now)
         for worker in candidates:  # stops at the first free one beyond those
-            if not saturated(worker, thresholds, now):
+            if not saturated(worker, thresholds, now, contenders):
                 if not needed:
                     return True
                 needed -= 1
@@ -400,6 +424,31 @@ class FlowControl:
         elif self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.siblings is not None:
+            self._announce(bool(len(queue)))
+
+    def _announce(self, waiting: bool) -> None:
+        """Tell the siblings whether requests wait here: at once when that changes, and
+        again every ``ANNOUNCE_S`` while they do."""
+        assert self.siblings is not None
+        last = self._announced_at
+        if waiting:
+            now = self.clock()
+            if last is not None and now - last < ANNOUNCE_S:
+                return
+            self._announced_at = now
+            self.siblings.publish(TOPIC, b"1", key="waiting", lazy=last is not None)
+        elif last is not None:
+            self._announced_at = None
+            self.siblings.publish(TOPIC, b"0", key="waiting")
+
+    def _heard(self, origin: str, payload: bytes) -> None:
+        """A sibling's word on whether requests wait there; one that stops waiting leaves
+        this process a larger part of the caps, so the queue is looked at again."""
+        if payload == b"1":
+            self._waiting_siblings[origin] = self.clock()
+        elif self._waiting_siblings.pop(origin, None) is not None and len(self.queue):
+            self.pump()
 
     def _tick(self) -> None:
         self._timer = None
@@ -436,6 +485,8 @@ class FlowControl:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self.siblings is not None:
+            self._announce(False)
         for item in self.queue.drain():
             future = item.payload.future
             if not future.done():

@@ -8,6 +8,12 @@ counters (in flight, prefill tokens not yet computed) add caps an operator can s
 Work-conserving: a worker with nothing in flight from this router is never saturated,
 whatever its metrics say, so stale or missing metrics (or another client's load) cannot
 stall the queue for ever.
+
+Processes of one router each keep their own queue. While ``contenders`` of them have
+requests waiting, each keeps to its part of the router-side caps, counted on its own
+requests: a shared cap goes to whichever process looks first when a slot frees (the one
+whose request just ended), and another's waiting requests, a quiet tenant's among them,
+would starve behind it.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ class Thresholds:
     max_queued_prefill_tokens: int = 0  # router-side prefill tokens not yet computed (0: off)
 
 
-def saturated(worker: Worker, thresholds: Thresholds, now: float) -> bool:
-    """Whether ``worker`` should take no new request now (``now`` on the monotonic clock).
+def saturated(worker: Worker, thresholds: Thresholds, now: float, contenders: int = 1) -> bool:
+    """Whether ``worker`` should take no new request now (``now`` on the monotonic clock);
+    ``contenders``: this process and those of its siblings with requests waiting.
 
     Called for every candidate on the fast path, so it only reads attributes.
     """
@@ -38,12 +45,21 @@ def saturated(worker: Worker, thresholds: Thresholds, now: float) -> bool:
     inflight = worker.inflight
     if inflight <= 0:
         return False
-    if thresholds.max_inflight and inflight >= thresholds.max_inflight:
-        return True
-    if thresholds.max_queued_prefill_tokens:
-        totals = worker.totals
-        queued = totals.prefill_tokens + totals.remote_prefill_tokens
-        if queued >= thresholds.max_queued_prefill_tokens:
+    totals = worker.totals
+    if contenders > 1:  # this process's part of each cap, on its own requests
+        if (
+            thresholds.max_inflight
+            and worker.local_inflight * contenders >= thresholds.max_inflight
+        ):
+            return True
+        cap = thresholds.max_queued_prefill_tokens
+        if cap and totals.prefill_tokens * contenders >= cap:
+            return True
+    else:
+        if thresholds.max_inflight and inflight >= thresholds.max_inflight:
+            return True
+        cap = thresholds.max_queued_prefill_tokens
+        if cap and totals.prefill_tokens + totals.remote_prefill_tokens >= cap:
             return True
     engine = worker.engine
     if engine is None:

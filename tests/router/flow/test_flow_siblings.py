@@ -1,0 +1,113 @@
+"""Processes of one router share the caps while more than one has requests waiting.
+
+Each process keeps its own queue; the one whose request just ended looks at the freed
+capacity first, so with a shared cap it would refill it every time and a sibling's
+waiting requests would starve. A process says on the bus while requests wait in it, and
+every waiting process then keeps to its part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from switchyard.balancer.fleet import Fleet
+from switchyard.balancer.worker import WorkerSpec
+from switchyard.router.flow.control import (
+    ANNOUNCE_S,
+    CONTENDER_TTL_S,
+    TOPIC,
+    FlowControl,
+)
+from switchyard.router.flow.identity import Identity
+from switchyard.router.metrics import FlowMetrics, RouterMetrics
+from switchyard.router.settings import Flow
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Bus:
+    """The sibling bus as flow control uses it: handlers by topic, messages sent."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[bytes, object] = {}
+        self.sent: list[bytes] = []
+
+    def on(self, topic: bytes, handler: object) -> None:
+        self.handlers[topic] = handler
+
+    def publish(
+        self, topic: bytes, payload: bytes, key: str | None = None, *, lazy: bool = False
+    ) -> None:
+        assert topic == TOPIC
+        self.sent.append(payload)
+
+    def hear(self, origin: str, payload: bytes) -> None:
+        handler = self.handlers[TOPIC]
+        assert callable(handler)
+        handler(origin, payload)
+
+
+def flow_control(prefill_cap: int = 4000) -> tuple[FlowControl, Fleet, Bus, Clock]:
+    clock = Clock()
+    bus = Bus()
+    fleet = Fleet()
+    fleet.add(WorkerSpec("http://127.0.0.1:1", models=["m"]))
+    settings = Flow(max_queued_prefill_tokens=prefill_cap)
+    flow = FlowControl(
+        fleet,
+        settings,
+        FlowMetrics(RouterMetrics()),
+        clock,
+        siblings=bus,  # type: ignore[arg-type]
+    )
+    return flow, fleet, bus, clock
+
+
+def test_a_waiting_sibling_halves_this_process_part_of_the_prefill_cap() -> None:
+    flow, fleet, bus, clock = flow_control(prefill_cap=4000)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1
+    worker.totals.prefill_tokens = 2500  # this process's own, under the whole cap
+    assert flow.can_serve("m")
+    bus.hear("sibling", b"1")
+    assert flow.contenders(clock.now) == 2
+    assert not flow.can_serve("m")  # 2500 of its 2000-token part
+    bus.hear("sibling", b"0")
+    assert flow.can_serve("m")
+
+
+def test_a_sibling_not_heard_from_for_a_while_no_longer_counts() -> None:
+    flow, _, bus, clock = flow_control()
+    bus.hear("sibling", b"1")
+    clock.now += CONTENDER_TTL_S - 0.01
+    assert flow.contenders(clock.now) == 2
+    clock.now += 0.02
+    assert flow.contenders(clock.now) == 1
+
+
+async def test_a_process_says_when_requests_start_and_stop_waiting_in_it() -> None:
+    flow, fleet, bus, clock = flow_control(prefill_cap=4000)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1
+    worker.totals.prefill_tokens = 5000  # saturated: a new request waits
+    waiting = asyncio.ensure_future(flow.admit(Identity("t", 0), "m", 100, 100))
+    await asyncio.sleep(0)
+    assert bus.sent == [b"1"]
+    flow.pump()  # within ANNOUNCE_S: not said again
+    assert bus.sent == [b"1"]
+    clock.now += ANNOUNCE_S
+    flow.pump()
+    assert bus.sent == [b"1", b"1"]
+    worker.totals.prefill_tokens = 0
+    flow.prefilled()
+    grant = await asyncio.wait_for(waiting, 1.0)
+    assert grant.tenant == "t"
+    assert bus.sent[-1] == b"0"
+    flow.release(grant, 100, 1)
+    assert bus.sent.count(b"0") == 1
