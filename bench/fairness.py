@@ -10,10 +10,13 @@ an idle fleet:
   (b) flood   the same B requests, beside tenant A's long prompts at ``--flood-x`` times
               the fleet's prefill capacity.
 
-The fleet's prefill capacity comes from the mock's timing model, not a calibration run:
-a step of ``max_num_batched_tokens`` prompt tokens takes ``step_base_us +
-prefill_token_us * max_num_batched_tokens`` model microseconds, divided by ``--speed``
-in wall time; A's request rate at capacity is that over A's mean prompt length. B sends
+The engines take ``--step-tokens`` (vLLM's ``max_num_batched_tokens``) a step: 2048 by
+default, vLLM's budget for an OpenAI server on GPUs under 70 GiB and on CPU. The
+fleet's prefill capacity comes from the mock's timing model, not a calibration run: a
+full step takes ``step_base_us + prefill_token_us * step_tokens`` model microseconds,
+divided by ``--speed`` in wall time; A's request rate at capacity is that over A's mean
+prompt length. Switchyard is told the same budget (``--flow-max-queued-prefill-tokens``),
+as its operator would: a quiet request then waits behind about one step, not a queue. B sends
 the same number of requests a second as ``--quiet-share`` of that rate, so its share of
 the fleet's tokens is far smaller still.
 
@@ -27,7 +30,8 @@ Printed per target (medians over ``--repeats``, targets in alternating order):
                       should be under 1 s, each with a Retry-After (``no RA``: without)
   lost                sent - answered - refused, over both runs; must be 0
 
-Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--duration 20] [--repeats 3]
+Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--step-tokens 2048]
+                               [--duration 20] [--repeats 3]
                                [--flood-x 3] [--quiet-share 0.2] [--no-smg]
                                [--ours-args '--flow-...'] [--rev REV]
 """
@@ -40,6 +44,7 @@ import shlex
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -70,8 +75,11 @@ class KeyedSpec(RouterSpec):
         return [*super().command(engines, port, tokenizer), *self.extra]
 
 
-def targets(p: NoisyParams, with_smg: bool) -> list[KeyedSpec]:
-    ours = ("--api-key", f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}")
+def targets(p: NoisyParams, with_smg: bool, step_tokens: int) -> list[KeyedSpec]:
+    ours = (
+        "--api-key", f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}",
+        "--flow-max-queued-prefill-tokens", str(step_tokens),
+    )  # fmt: skip
     specs = [KeyedSpec(OURS, "switchyard", "kv_aware", extra=ours)]
     if with_smg and shutil.which("smg"):
         keys = (
@@ -83,11 +91,11 @@ def targets(p: NoisyParams, with_smg: bool) -> list[KeyedSpec]:
     return specs
 
 
-def prefill_capacity(engines: int, speed: float) -> float:
+def prefill_capacity(engines: int, speed: float, step_tokens: int) -> float:
     """The fleet's prompt tokens a wall second at full steps, from the mock's timing model."""
     c = EngineConfig()
-    step_s = (c.step_base_us + c.prefill_token_us * c.max_num_batched_tokens) / 1e6
-    return engines * speed * c.max_num_batched_tokens / step_s
+    step_s = (c.step_base_us + c.prefill_token_us * step_tokens) / 1e6
+    return engines * speed * step_tokens / step_s
 
 
 @dataclass
@@ -218,6 +226,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--speed", type=float, default=0.1, help="mock time compression")
+    parser.add_argument(
+        "--step-tokens", type=int, default=2048, help="engines' max_num_batched_tokens"
+    )
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flood-x", type=float, default=3.0, help="A's rate / capacity")
@@ -238,7 +249,7 @@ def main() -> None:
             "note: the comparison asks for --flood-x >= 3 and --quiet-share <= 0.2", file=sys.stderr
         )
 
-    capacity = prefill_capacity(args.engines, args.speed)
+    capacity = prefill_capacity(args.engines, args.speed, args.step_tokens)
     base = NoisyParams(duration_s=args.duration, quiet_share=args.quiet_share)
     mean_prompt = sum(base.flood_prompt_tokens) / 2
     rate = capacity / mean_prompt
@@ -249,7 +260,8 @@ def main() -> None:
     # refuses nothing; a request still unanswered after that, and a margin, is lost.
     timeout_s = (args.flood_x + 1.0) * args.duration + 60.0
     header = (
-        f"fleet: {args.engines} mock engines at speed {args.speed}; prefill capacity "
+        f"fleet: {args.engines} mock engines at speed {args.speed}, {args.step_tokens} "
+        f"tokens a step; prefill capacity "
         f"{capacity:,.0f} tokens/s (timing model) = {rate:.2f} A requests/s of "
         f"{mean_prompt:.0f} tokens. A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
         f"B at {args.quiet_share} of it ({args.quiet_share * rate:.2f}/s, "
@@ -258,7 +270,7 @@ def main() -> None:
     )
     print(header, file=sys.stderr)
     with ExitStack() as stack:
-        specs = targets(params, not args.no_smg)
+        specs = targets(params, not args.no_smg, args.step_tokens)
         if args.ours_args:
             more = tuple(shlex.split(args.ours_args))
             specs[0] = replace(
@@ -267,7 +279,13 @@ def main() -> None:
         if args.rev:
             code = worktree(stack, args.rev)
             specs[0] = replace(specs[0], label=f"{specs[0].label} @{args.rev}", code=code)
-        fleet = stack.enter_context(MockFleet(args.engines, speed=args.speed, seed=args.seed))
+        config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+        config.write(f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n")
+        config.flush()
+        fleet = stack.enter_context(
+            MockFleet(args.engines, speed=args.speed, seed=args.seed,
+                      extra_args=["--config", config.name])
+        )  # fmt: skip
         cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
     report(cells, header)
 
