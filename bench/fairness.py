@@ -235,11 +235,12 @@ def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(cells: dict[str, Cell], header: str) -> None:
+def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
     print(header)
+    print(f"one full engine step: {step_ms:.0f} ms")
     head = (
-        "| target | B solo p90 ms | B p50 ms | B p90 ms | B p90/solo | B p90/smg | A share "
-        "| refused A/B | refusal max ms | no RA | lost |"
+        "| target | B solo p90 ms | B p50 ms | B p90 ms | B p90/solo | B p90/smg "
+        "| (B p90 - solo) in steps | A share | refused A/B | refusal max ms | no RA | lost |"
     )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
@@ -248,10 +249,12 @@ def report(cells: dict[str, Cell], header: str) -> None:
         solo, p90 = median(c.solo_p90), median(c.p90)
         vs_solo = p90 / solo if p90 is not None and solo else None
         vs_smg = p90 / smg_p90 if p90 is not None and smg_p90 else None
+        steps = (p90 - solo) / step_ms if p90 is not None and solo is not None else None
         refused = f"{fmt(median(c.refused_a))}/{fmt(median(c.refused_b))}"
         print(
             f"| {label} | {fmt(solo)} | {fmt(median(c.p50))} | {fmt(p90)} "
-            f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(median(c.share), '.2f')} "
+            f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(steps, '.1f')} "
+            f"| {fmt(median(c.share), '.2f')} "
             f"| {refused} | {fmt(max(c.refusal_max_ms, default=None))} | {c.no_retry_after} "
             f"| {c.lost} |"
         )
@@ -340,7 +343,8 @@ def main() -> None:
             code = worktree(stack, args.rev)
             specs[0] = replace(specs[0], label=f"{specs[0].label} @{args.rev}", code=code)
         cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
-    report(cells, header)
+    # a full step's prompt tokens at one engine's share of the capacity
+    report(cells, header, 1e3 * args.step_tokens * args.engines / capacity)
 
 
 def run_all(
