@@ -88,7 +88,7 @@ def workload(
     closing its connection (a new one lands on either process of a router)."""
     rng = random.Random(f"ratelimit:{seed}")
     bank = default_bank()
-    requests = []
+    requests: list[Request] = []
     t = 0.0
     while t < duration_s:
         text = bank.text(f"ratelimit:{seed}:{len(requests)}", rng.randint(*prompt))
