@@ -502,8 +502,11 @@ class RouterApp:
         if tracing is None:
             return await self._schedule(req, request_id, priority, slo_header, None)
         with tracing.span("schedule") as span:
-            ctx, ranked = await self._schedule(req, request_id, priority, slo_header, Explanation())
-            tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
+            recording = span.is_recording()  # not: sampled out, nothing to describe
+            explain = Explanation() if recording else None
+            ctx, ranked = await self._schedule(req, request_id, priority, slo_header, explain)
+            if recording:
+                tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
             return ctx, ranked
 
     async def _schedule(

@@ -252,7 +252,7 @@ class Tracing:
     def usage(self, span: Span | None, tail: bytes) -> None:
         """The engine's token counts, where its answer's ``usage`` says them, on ``span``
         (the attempt) and on the request's server span."""
-        if not tail:
+        if not tail or (span is not None and not span.is_recording()):
             return
         prompt, output = served_tokens(tail, -1, -1)
         if prompt < 0:
@@ -284,6 +284,8 @@ class RequestTrace:
         self._server_token = server_token
 
     def describe(self, model: str, tenant: str, priority: str) -> None:
+        if not self.span.is_recording():
+            return
         self.span.set_attributes(
             {
                 "gen_ai.request.model": model,
