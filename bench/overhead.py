@@ -6,9 +6,16 @@ Targets, each measured ``--rounds`` times in rotating order: the backend directl
 installed. Also the SSE relay rate: events/s streamed through Switchyard vs direct.
 
     python -m bench.overhead [--duration 10] [--rounds 3] [--connections 32] [--processes N]
-        [--policy P] [--against REV]
+        [--policy P] [--against REV] [--variant NAME='ROUTER ARGS' ...]
 
 Switchyard runs its default command (no flags beyond the worker) unless told otherwise.
+Each ``--variant`` is one more Switchyard target with those router flags added, alternating
+with the others; ``{backend}`` in them is nginx's URL, which answers any POST with 200 (an
+OTLP endpoint that drops what it gets):
+
+    python -m bench.overhead --no-smg \
+        --variant "trace0.1=--otlp-traces-endpoint {backend}/v1/traces --tracing-sample-ratio 0.1" \
+        --variant "trace1=--otlp-traces-endpoint {backend}/v1/traces --tracing-sample-ratio 1"
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -215,7 +223,17 @@ def main() -> None:
     ap.add_argument("--sse-streams", type=int, default=16)
     ap.add_argument("--no-smg", action="store_true")
     ap.add_argument("--against", help="also run our router from this git revision, alternating")
+    ap.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=ARGS",
+        help="also run our router with these flags added ({backend}: nginx's URL), alternating",
+    )
     args = ap.parse_args()
+    variants = [v.partition("=")[::2] for v in args.variant]
+    if any(not name or name in ("direct", "switchyard", "smg") for name, _ in variants):
+        sys.exit("--variant wants NAME=ARGS, NAME not direct, switchyard or smg")
     for tool in ("wrk", "nginx"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is required: apt-get install -y wrk nginx-light")
@@ -232,6 +250,9 @@ def main() -> None:
         if args.against:
             against = worktree(stack, args.against)
             targets[f"sy@{args.against}"] = ours(stack, backend, extra, against)
+        for name, flags in variants:
+            added = shlex.split(flags.replace("{backend}", backend))
+            targets[name] = ours(stack, backend, [*extra, *added], None)
         if smg:
             targets["smg"] = stack.enter_context(smg_router(smg, backend)).url
         for url in targets.values():
@@ -267,7 +288,7 @@ def main() -> None:
         if "smg" in med:
             print(f"switchyard/smg req/s: {med['switchyard'][0] / med['smg'][0]:.2f}")
             print(f"smg added p50 at 1 connection: {med['smg'][1] - med['direct'][1]:.3f} ms")
-        for name in (n for n in names if n.startswith("sy@")):
+        for name in (n for n in names if n.startswith("sy@") or n in dict(variants)):
             print(f"switchyard/{name} req/s: {med['switchyard'][0] / med[name][0]:.2f}")
             print(f"{name} added p50 at 1 connection: {med[name][1] - med['direct'][1]:.3f} ms")
 

@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -31,6 +32,7 @@ from switchyard.router.tracing import REQUEST_ID, JsonFormatter, build_tracing, 
 from tests.pd.support_pd import LONG_PROMPT, MODEL, vllm_pair
 from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend, StubReply, StubRequest
+from tests.support import free_port
 
 CHAT = "/v1/chat/completions"
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -354,3 +356,42 @@ def test_json_logs_hand_uvicorn_s_lines_to_the_root_handler() -> None:
     json_logs = RouterSettings.load(None, log_format="json")
     assert _uvicorn_options(json_logs)["log_config"] is None
     assert "log_config" not in _uvicorn_options(RouterSettings.load(None))
+
+
+def test_a_stopping_router_does_not_wait_out_a_dead_collector_s_retries() -> None:
+    """The exporter retries a refused collector for its whole timeout (10 s by default)."""
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"
+    tracing = build_tracing(TracingSettings(otlp_traces_endpoint=dead), environ={})
+    assert tracing is not None
+    tracing.tracer.start_span("lost").end()
+    began = time.monotonic()
+    tracing.shutdown(flush_s=0.2)
+    assert time.monotonic() - began < 3.0
+
+
+GRPC = "grpc"
+
+
+@pytest.mark.parametrize(
+    ("settings", "environ", "module"),
+    [
+        (TracingSettings(), {}, "http"),
+        (TracingSettings(protocol="grpc"), {}, "grpc"),
+        (TracingSettings(), {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"}, "grpc"),
+        (
+            TracingSettings(protocol="http/protobuf"),
+            {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "http",
+        ),
+    ],
+)
+def test_the_protocol_comes_from_the_setting_else_the_otel_environment(
+    settings: TracingSettings, environ: dict[str, str], module: str
+) -> None:
+    endpoint = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318/v1/traces"}
+    tracing = build_tracing(settings, environ={**environ, **endpoint})
+    assert tracing is not None and tracing.exporter is not None
+    try:
+        assert f".proto.{module}." in type(tracing.exporter).__module__
+    finally:
+        tracing.shutdown(flush_s=0)

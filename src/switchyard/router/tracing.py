@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Iterator, Mapping
 from contextlib import contextmanager
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from switchyard.router.settings import Tracing as TracingSettings
 
 SERVICE_NAME = "switchyard-router"
+# How long a stopping router waits for its last spans to be exported.
+SHUTDOWN_FLUSH_S = 0.5
 _ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 # The OpenAI routes' GenAI operation names (gen_ai.operation.name).
@@ -105,9 +108,10 @@ def build_tracing(
     provider = TracerProvider(resource=resource, sampler=sampler)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-    else:
-        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(settings, environ)))
-    return Tracing(provider)
+        return Tracing(provider)
+    otlp = _otlp_exporter(settings, environ)
+    provider.add_span_processor(BatchSpanProcessor(otlp))
+    return Tracing(provider, otlp)
 
 
 def _otlp_exporter(settings: TracingSettings, environ: Mapping[str, str]) -> SpanExporter:
@@ -139,12 +143,14 @@ def _ns(perf: float) -> int:
 class Tracing:
     """The router's tracer and the spans it makes; one per router process."""
 
-    def __init__(self, provider: TracerProvider) -> None:
+    def __init__(self, provider: TracerProvider, exporter: SpanExporter | None = None) -> None:
+        """``exporter``: the batched exporter ``shutdown`` must stop in time."""
         from opentelemetry import context, trace
         from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = provider
+        self.exporter = exporter
         self.tracer = provider.get_tracer("switchyard.router")
         self._context = context
         self._trace = trace
@@ -153,8 +159,17 @@ class Tracing:
         self._error = Status(StatusCode.ERROR)
         self._propagator = TraceContextTextMapPropagator()
 
-    def shutdown(self) -> None:
-        """Export what is still batched, then stop the exporter."""
+    def shutdown(self, flush_s: float = SHUTDOWN_FLUSH_S) -> None:
+        """Export what is still batched for up to ``flush_s``, then stop: an exporter whose
+        collector is down retries for its whole timeout (10 s by default), which would hold
+        the router's exit past its shutdown window."""
+        if self.exporter is not None:
+            # The SDK's flush exports on the calling thread, through every retry: a thread
+            # of its own, waited for up to flush_s.
+            flush = threading.Thread(target=self.provider.force_flush, daemon=True)
+            flush.start()
+            flush.join(flush_s)
+            self.exporter.shutdown()  # ends a retry's back-off at once
         self.provider.shutdown()
 
     # -- the request ---------------------------------------------------------------------
