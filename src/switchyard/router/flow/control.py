@@ -57,7 +57,12 @@ ANNOUNCE_S = 0.5  # a waiting process says so again this often
 # A sibling not heard saying it waits for this long is taken not to (it may have died).
 CONTENDER_TTL_S = 3 * ANNOUNCE_S
 # Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
-_RATE_SAMPLES = 8
+_RATE_SAMPLES = 16
+# A request is refused on arrival when its expected wait passes this share of the TTL:
+# the drain rate swings with the prompts' sizes and the siblings' share of the caps, and
+# a request let in near the TTL may time out after waiting all of it, the slowest
+# refusal there is.
+_HOPELESS_SHARE = 0.5
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
 _PROMPT_KEY = b'"prompt_tokens"'
 _COMPLETION_KEY = b'"completion_tokens"'
@@ -342,21 +347,21 @@ class FlowControl:
         return ahead * span / len(times)
 
     def _refuse_if_hopeless(self, identity: Identity) -> None:
-        """Refuse at once a request that would wait past the queue's TTL: its client learns
-        in milliseconds, not when the TTL has passed (a flood's excess, while every other
-        tenant's requests still fit)."""
+        """Refuse at once a request that would wait too near the queue's TTL (past
+        ``_HOPELESS_SHARE`` of it): its client learns in milliseconds, not when the TTL has
+        passed (a flood's excess, while every other tenant's requests still fit)."""
         ttl = self.queue.limits.ttl_s
         if not ttl or not len(self.queue):
             return
         wait = self.expected_wait_s(identity)
-        if wait is not None and wait > ttl:
+        if wait is not None and wait > ttl * _HOPELESS_SHARE:
             self.metrics.outcome("queue_full")
             raise refusal(
                 429,
                 "queue_full",
-                f"This request would wait about {wait:.0f} s for a worker, past the "
-                f"queue's {ttl:g} s; retry later",
-                min(max(1.0, wait - ttl), ttl),
+                f"This request would wait about {wait:.0f} s for a worker, too near "
+                f"the queue's {ttl:g} s; retry later",
+                min(max(1.0, wait - ttl * _HOPELESS_SHARE), ttl),
             )
 
     def _cancel(self, reservation: Reservation | None) -> None:
