@@ -499,14 +499,12 @@ class RouterApp:
         No I/O of its own: ``switchyard simulate`` runs this same decision on a virtual clock.
         """
         tracing = self.tracing
-        if tracing is None:
+        if tracing is None or not tracing.recording():
             return await self._schedule(req, request_id, priority, slo_header, None)
         with tracing.span("schedule") as span:
-            recording = span.is_recording()  # not: sampled out, nothing to describe
-            explain = Explanation() if recording else None
+            explain = Explanation()
             ctx, ranked = await self._schedule(req, request_id, priority, slo_header, explain)
-            if recording:
-                tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
+            tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
             return ctx, ranked
 
     async def _schedule(

@@ -197,9 +197,20 @@ class Tracing:
         token = self._context.attach(ctx)
         return RequestTrace(self, span, token, _SERVER_SPAN.set(span))
 
+    @staticmethod
+    def recording() -> bool:
+        """Whether the request being routed is sampled: if not, its children are not made
+        (the engine is still told, by the server span's own traceparent)."""
+        server = _SERVER_SPAN.get()
+        return server is not None and server.is_recording()
+
     @contextmanager
     def span(self, name: str, attributes: dict[str, Any] | None = None) -> Iterator[Span]:
-        """An internal span, current inside the block; an exception marks it failed."""
+        """An internal span, current inside the block; an exception marks it failed.
+        A sampled-out request gets the invalid span, which records nothing."""
+        if not self.recording():
+            yield self._trace.INVALID_SPAN
+            return
         with self.tracer.start_as_current_span(name, attributes=attributes) as span:
             yield span
 
@@ -229,13 +240,18 @@ class Tracing:
     def mark(self, name: str, began: float, ended: float, attributes: dict[str, Any]) -> None:
         """A span for a stretch measured after the fact (perf_counter readings), a child of
         the current span."""
+        if not self.recording():
+            return
         span = self.tracer.start_span(name, attributes=attributes, start_time=_ns(began))
         span.end(end_time=_ns(ended))
 
     # -- upstream calls --------------------------------------------------------------------
 
-    def client(self, url: str, path: str, worker: Worker, rank: int | None) -> Span:
-        """The CLIENT span of one call to ``worker``, child of the current span."""
+    def client(self, url: str, path: str, worker: Worker, rank: int | None) -> Span | None:
+        """The CLIENT span of one call to ``worker``, child of the current span; None when
+        the request is sampled out (or no request is being routed: a background call)."""
+        if not self.recording():
+            return None
         host, _, port = url.partition("://")[2].partition("/")[0].rpartition(":")
         attributes: dict[str, Any] = {
             "http.request.method": "POST",
@@ -249,11 +265,12 @@ class Tracing:
             attributes["switchyard.dp_rank"] = rank
         return self.tracer.start_span(f"POST {path}", kind=self._client_kind, attributes=attributes)
 
-    def inject(self, span: Span, headers: dict[str, str]) -> dict[str, str]:
-        """``headers`` with a traceparent whose parent is ``span`` (the client's
-        ``tracestate`` goes on unchanged: it travels in the span's context)."""
+    def inject(self, span: Span | None, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` with a traceparent whose parent is ``span`` (None: the current span;
+        the client's ``tracestate`` goes on unchanged: it travels in the span's context)."""
         out = dict(headers)
-        self._propagator.inject(out, self._trace.set_span_in_context(span))
+        context = None if span is None else self._trace.set_span_in_context(span)
+        self._propagator.inject(out, context)
         return out
 
     def end_client(self, span: Span, status: int | None, outcome: str) -> None:
@@ -267,7 +284,7 @@ class Tracing:
     def usage(self, span: Span | None, tail: bytes) -> None:
         """The engine's token counts, where its answer's ``usage`` says them, on ``span``
         (the attempt) and on the request's server span."""
-        if not tail or (span is not None and not span.is_recording()):
+        if not tail or span is None:  # no span: sampled out
             return
         prompt, output = served_tokens(tail, -1, -1)
         if prompt < 0:

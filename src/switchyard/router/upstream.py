@@ -112,7 +112,7 @@ class Call:
         self.tracing = tracing
         self.span: Span | None = None
         if tracing is not None:
-            self.span = tracing.client(self.url, path, worker, rank)
+            self.span = tracing.client(self.url, path, worker, rank)  # None: sampled out
             self.headers = tracing.inject(self.span, self.headers)
         self.fleet = fleet
         self.ticket: Ticket = fleet.begin(
