@@ -41,6 +41,8 @@ from switchyard.mock.settings import DEFAULT_TOKENIZER
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy" / "grafana" / "switchyard-dashboard.json"
 RULES = REPO / "deploy" / "prometheus" / "alerts.yaml"
+AUTOSCALING = REPO / "deploy" / "kubernetes" / "autoscaling"
+SHIPPED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # what the manifests serve
 MODEL = "mock-model"
 RATE_INTERVAL = "30s"
 # What a flood must have shown Prometheus: requests queued, and a model saturated.
@@ -115,6 +117,35 @@ def rule_expressions(path: Path = RULES) -> list[Expression]:
             kind = "alert" if "alert" in rule else "record"
             name = rule.get("alert") or rule["record"]
             found.append(Expression(kind, name, rule["expr"], rule["expr"]))
+    return found
+
+
+def autoscaler_expressions(directory: Path = AUTOSCALING) -> list[Expression]:
+    """The queries KEDA and prometheus-adapter would send for the shipped manifests, with
+    the stack's model in place of the manifests' (an HPA's selector becomes the adapter's
+    label matchers)."""
+    found = []
+    keda = yaml.safe_load((directory / "keda-engines.yaml").read_text())
+    for trigger in keda["spec"]["triggers"]:
+        query = trigger["metadata"]["query"]
+        found.append(
+            Expression("keda", trigger["name"], query, query.replace(SHIPPED_MODEL, MODEL))
+        )
+    adapter = yaml.safe_load((directory / "prometheus-adapter.yaml").read_text())
+    rules = {r["name"]["as"]: r for r in adapter["externalRules"]}
+    hpa = yaml.safe_load((directory / "hpa-engines.yaml").read_text())
+    for metric in hpa["spec"]["metrics"]:
+        ident = metric["external"]["metric"]
+        rule = rules[ident["name"]]
+        labels = {**ident["selector"]["matchLabels"], "model": MODEL}
+        series = re.fullmatch(r'\{__name__="([^"]+)"\}', rule["seriesQuery"])
+        assert series is not None, rule["seriesQuery"]
+        query = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", series.group(1))
+            .replace("<<.LabelMatchers>>", ",".join(f'{k}="{v}"' for k, v in labels.items()))
+        )
+        found.append(Expression("adapter", ident["name"], rule["metricsQuery"], query))
     return found
 
 
@@ -434,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", type=float, default=20.0, help="mock engines' speed")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, running(Path(tmp), args.speed) as (_, prom):
-        results = evaluate(prom, panel_expressions() + rule_expressions())
+        results = evaluate(
+            prom, panel_expressions() + rule_expressions() + autoscaler_expressions()
+        )
     print(table(results))
     empty = [r for r in results if not r.series and not (r.names & set(EVENT_ONLY))]
     return 1 if empty else 0

@@ -1,9 +1,10 @@
-"""The shipped dashboard and rules on a real Prometheus: every panel expression and every
-recording rule returns series from a live stack (services mode, embedded, P/D and a
-router without workers, under load and a flood), every alert evaluates cleanly over
-metrics that exist, and the one alert the stack provokes (no routable worker) goes
-pending. The stack and the table live in ``bench/dashboards.py``; ``python -m
-bench.dashboards`` prints the same table."""
+"""The shipped dashboard, rules and autoscalers on a real Prometheus: every panel
+expression and every recording rule returns series from a live stack (services mode,
+embedded, P/D and a router without workers, under load and a flood), every alert evaluates
+cleanly over metrics that exist, the one alert the stack provokes (no routable worker) goes
+pending, and each query KEDA or prometheus-adapter would send returns one series. The
+stack and the table live in ``bench/dashboards.py``; ``python -m bench.dashboards`` prints
+the same table."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from bench.dashboards import (
     Prometheus,
     Result,
     Stack,
+    autoscaler_expressions,
     evaluate,
     grafana_to_promql,
     metric_names,
@@ -55,7 +57,8 @@ class Live:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     with running(tmp_path_factory.mktemp("prometheus")) as (stack, prometheus):
-        results = evaluate(prometheus, panel_expressions() + rule_expressions())
+        expressions = panel_expressions() + rule_expressions() + autoscaler_expressions()
+        results = evaluate(prometheus, expressions)
         print("\n" + table(results))  # the figures, with pytest -s
         yield Live(stack, prometheus, results)
 
@@ -145,6 +148,14 @@ def test_the_flood_shows_in_the_scaling_signals(live: Live) -> None:
     )
     assert [float(s["value"][1]) for s in saturated] == [1.0]
     assert live.seen("switchyard_router_flow_saturated_models") == 1
+
+
+def test_each_autoscaler_query_returns_the_one_series_it_scales_on(live: Live) -> None:
+    """KEDA's prometheus scaler and an External metric read one value: each query of the
+    shipped ScaledObject and adapter rules returns exactly one series on the stack."""
+    results = live.of("keda") + live.of("adapter")
+    assert len(results) == 4
+    assert all(r.series == 1 and r.error is None for r in results), live.table
 
 
 def test_kvstore_instance_label_arrives_as_exported_instance(live: Live) -> None:
