@@ -469,8 +469,14 @@ def main(argv: list[str] | None = None) -> int:
             prom, panel_expressions() + rule_expressions() + autoscaler_expressions()
         )
     print(table(results))
-    empty = [r for r in results if not r.series and not (r.names & set(EVENT_ONLY))]
-    return 1 if empty else 0
+    # an alert's condition may rightly be false: only a query that fails counts there
+    failed = [
+        r
+        for r in results
+        if r.error
+        or (r.expression.kind != "alert" and not r.series and not r.names & set(EVENT_ONLY))
+    ]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
