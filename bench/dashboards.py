@@ -1,14 +1,16 @@
-"""The shipped Grafana dashboard and Prometheus rules, evaluated on a real Prometheus.
+"""The shipped Grafana dashboard, Prometheus rules and autoscalers' queries, evaluated on a
+real Prometheus.
 
 A stack on loopback: one ``mock-fleet`` process (a prefill, a decode and three unified
 engines with KV events), the balancer and kvstore services, and four routers: one in
 services mode on those two (flow control capped at one request per worker, SLO
 admission on), one embedding its balancer and kvstore (KV-aware, with a hash-parity check
-and an engine that answers 500), one P/D router, and one whose only worker never answers.
+and an engine that answers 503), one P/D router, and one whose only worker never answers.
 Load goes through each (a flood for the queue, a prefill leg that fails, a KV-event gap),
 then ``prometheus`` scrapes all of them every second with ``deploy/prometheus/alerts.yaml``
-loaded, and every panel expression and every rule expression is queried: the table shows
-how many series each returns.
+loaded, and every panel expression, every rule expression and each query the KEDA and
+prometheus-adapter examples would send is queried: the table shows how many series each
+returns.
 
 ``python -m bench.dashboards`` prints the table (needs ``prometheus`` on the PATH);
 ``tests/deploy/test_prometheus_live.py`` runs the same and asserts on it.
@@ -63,9 +65,9 @@ EVENT_ONLY = {
 
 @dataclass(frozen=True)
 class Expression:
-    """One query the shipped files make: a panel target or a rule."""
+    """One query the shipped files make: a panel target, a rule or an autoscaler's."""
 
-    kind: str  # panel, record or alert
+    kind: str  # panel, record, alert, keda or adapter
     title: str  # panel title (with the target's legend) or rule name
     expr: str  # as shipped
     query: str  # as sent to Prometheus (Grafana's variables replaced)
