@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from switchyard.loadtest.procs import Server, free_port, python_from
+from switchyard.loadtest.procs import Server, cpu_seconds, free_port, python_from
 from switchyard.net.httpclient import ConnectionPool
 from tools.worktree import worktree
 
@@ -204,13 +204,12 @@ def router_argv(worker: str, port: int, *extra: str, python: list[str] | None = 
     return [*cmd, "--port", str(port), *extra]
 
 
-def ours(stack: ExitStack, worker: str, extra: list[str], code: Path | None) -> str:
+def ours(stack: ExitStack, worker: str, extra: list[str], code: Path | None) -> Server:
     """Our router in front of ``worker``, imported from ``code`` (this checkout when None)."""
     python, env = python_from(code)
     port = free_port()
     argv = router_argv(worker, port, *extra, python=python)
-    stack.enter_context(process(argv, port, "/ready", env=env))
-    return f"http://127.0.0.1:{port}"
+    return stack.enter_context(process(argv, port, "/ready", env=env))
 
 
 def main() -> None:
@@ -246,13 +245,14 @@ def main() -> None:
             *(["--policy", args.policy] if args.policy else []),
             *(["--processes", args.processes] if args.processes else []),
         ]
-        targets["switchyard"] = ours(stack, backend, extra, None)
+        routers = {"switchyard": ours(stack, backend, extra, None)}
         if args.against:
             against = worktree(stack, args.against)
-            targets[f"sy@{args.against}"] = ours(stack, backend, extra, against)
+            routers[f"sy@{args.against}"] = ours(stack, backend, extra, against)
         for name, flags in variants:
             added = shlex.split(flags.replace("{backend}", backend))
-            targets[name] = ours(stack, backend, [*extra, *added], None)
+            routers[name] = ours(stack, backend, [*extra, *added], None)
+        targets.update({name: server.url for name, server in routers.items()})
         if smg:
             targets["smg"] = stack.enter_context(smg_router(smg, backend)).url
         for url in targets.values():
@@ -263,18 +263,29 @@ def main() -> None:
         names = list(targets)
         loaded: dict[str, list[WrkResult]] = {n: [] for n in names}
         single: dict[str, list[WrkResult]] = {n: [] for n in names}
+        cpu_ms: dict[str, list[float]] = {n: [] for n in routers}  # our routers' CPU a request
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             print(f"round {r + 1}/{args.rounds}: {' -> '.join(order)}", flush=True)
             for name in order:
-                loaded[name].append(run_wrk(targets[name], args.connections, args.duration, lua))
+                proc = routers[name].proc if name in routers else None
+                pid = proc.pid if proc is not None else None
+                before = cpu_seconds(pid) if pid is not None else 0.0
+                result = run_wrk(targets[name], args.connections, args.duration, lua)
+                loaded[name].append(result)
+                if pid is not None:
+                    used = cpu_seconds(pid) - before
+                    cpu_ms[name].append(used / max(result.requests, 1) * 1e3)
                 single[name].append(run_wrk(targets[name], 1, max(3, args.duration // 2), lua))
 
         print(
             f"\nnon-stream, {args.connections} connections, {args.duration}s x {args.rounds} "
             "rounds (medians):"
         )
-        print(f"{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'1-conn p50 ms':>15}")
+        print(
+            f"{'target':<12}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'1-conn p50 ms':>15}"
+            f"{'CPU ms/req':>12}"
+        )
         med = {}
         for name in names:
             rps = statistics.median(x.rps for x in loaded[name])
@@ -282,7 +293,8 @@ def main() -> None:
             p99 = statistics.median(x.p99_ms for x in loaded[name])
             one = statistics.median(x.p50_ms for x in single[name])
             med[name] = (rps, one)
-            print(f"{name:<12}{rps:>10.0f}{p50:>10.2f}{p99:>10.2f}{one:>15.3f}")
+            cpu = f"{statistics.median(cpu_ms[name]):>12.3f}" if name in cpu_ms else ""
+            print(f"{name:<12}{rps:>10.0f}{p50:>10.2f}{p99:>10.2f}{one:>15.3f}{cpu}")
         added = med["switchyard"][1] - med["direct"][1]
         print(f"\nadded p50 latency at 1 connection, switchyard vs direct: {added:.3f} ms")
         if "smg" in med:
@@ -302,9 +314,10 @@ def main() -> None:
                 "/v1/models",
             )
         )
-        urls = {"direct": sse, "switchyard": ours(stack, sse, [], None)}
+        urls = {"direct": sse, "switchyard": ours(stack, sse, [], None).url}
         if args.against:
-            urls[f"sy@{args.against}"] = ours(stack, sse, [], worktree(stack, args.against))
+            against = worktree(stack, args.against)
+            urls[f"sy@{args.against}"] = ours(stack, sse, [], against).url
         rates: dict[str, list[float]] = {name: [] for name in urls}
         names = list(urls)
         for r in range(args.rounds):
