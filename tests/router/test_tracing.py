@@ -29,7 +29,7 @@ from switchyard.router.server import _uvicorn_options
 from switchyard.router.settings import RouterSettings
 from switchyard.router.settings import Tracing as TracingSettings
 from switchyard.router.tracing import REQUEST_ID, JsonFormatter, build_tracing, enabled
-from tests.pd.support_pd import LONG_PROMPT, MODEL, vllm_pair
+from tests.pd.support_pd import LONG_PROMPT, MODEL, pd_router, running_mock, vllm_pair
 from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.support import free_port
@@ -296,6 +296,29 @@ async def test_a_disaggregated_request_has_prefill_decode_and_transfer_spans(
     clients = {parent_id(s): s for s in finished if s.kind is SpanKind.CLIENT}
     assert set(clients) == {span_id(legs["prefill"]), span_id(legs["decode"])}
     assert (server.attributes or {})["gen_ai.usage.output_tokens"] == 3
+
+
+async def test_an_image_chat_has_an_encode_span_before_its_prefill(
+    spans: InMemorySpanExporter,
+) -> None:
+    image = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": LONG_PROMPT}]}]
+    async with (
+        running_mock(role="encode") as encoder,
+        running_mock(role="prefill") as prefill,
+        running_mock(role="decode") as decode,
+        pd_router("vllm", prefill=[prefill], decode=[decode], encode=[encoder]) as front,
+    ):
+        traced(front.router, spans)
+        await front.openai.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    encode, first = named(spans, "encode"), named(spans, "prefill")
+    server = next(s for s in spans.get_finished_spans() if s.kind is SpanKind.SERVER)
+    assert parent_id(encode) == parent_id(first) == span_id(server)
+    assert (encode.attributes or {})["switchyard.images"] == 1
+    [call] = [s for s in spans.get_finished_spans() if parent_id(s) == span_id(encode)]
+    assert call.kind is SpanKind.CLIENT
+    assert encode.end_time is not None and first.start_time is not None
+    assert encode.end_time <= first.start_time
 
 
 class Lines(logging.Handler):
