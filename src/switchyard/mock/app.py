@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from switchyard.mock import openai_shapes as shapes
 from switchyard.mock.asgi import (
+    JSON,
     TEXT,
     ClientError,
     guard,
@@ -35,6 +36,7 @@ from switchyard.mock.asgi import (
 from switchyard.mock.engine.driver import RealClockEngine
 from switchyard.mock.epd import Encoder
 from switchyard.mock.faults import DropConnection, Faults, inject
+from switchyard.mock.lora import Adapters, runtime_updating_allowed
 from switchyard.mock.metrics import EngineMetrics
 from switchyard.mock.pd import Held, HeldKV, KVPuller, PullError
 from switchyard.mock.planning import Planner
@@ -89,7 +91,10 @@ class EngineServer:
         # As vLLM does at startup: a sequence must fit in one rank's KV cache (less its null
         # block), so a request the API admits can always be scheduled.
         self.max_len = min(e.config.context_limit(settings.max_model_len) for e in engines.values())
-        self.limits = Limits(settings.model, settings.default_max_tokens, self.max_len)
+        self.adapters = Adapters(settings.model, settings.lora_module_paths())
+        self.limits = Limits(
+            settings.model, settings.default_max_tokens, self.max_len, self.adapters.known
+        )
         self.encoder = Encoder(settings, self.engine_id, port)
         self.planner = Planner(
             settings,
@@ -134,6 +139,9 @@ class EngineServer:
             )
         else:
             self.routes[("GET", "/kv_event_sources")] = self.kv_event_sources
+            if settings.lora_enabled and runtime_updating_allowed(settings.runtime_lora_updating):
+                self.routes[("POST", "/v1/load_lora_adapter")] = self.load_lora_adapter
+                self.routes[("POST", "/v1/unload_lora_adapter")] = self.unload_lora_adapter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -194,6 +202,20 @@ class EngineServer:
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         owner = "vllm" if self.s.flavor == "vllm" else "sglang"
+        permission: dict[str, Any] = {
+            "id": f"modelperm-{os.urandom(8).hex()}",
+            "object": "model_permission",
+            "created": self.created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
         card = {
             "id": self.s.model,
             "object": "model",
@@ -202,24 +224,31 @@ class EngineServer:
             "root": self.s.model,
             "parent": None,
             "max_model_len": self.max_len,
-            "permission": [
-                {
-                    "id": f"modelperm-{os.urandom(8).hex()}",
-                    "object": "model_permission",
-                    "created": self.created,
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ],
+            "permission": [permission],
         }
-        await respond(send, 200, orjson.dumps({"object": "list", "data": [card]}))
+        adapters = self.adapters.cards(self.created, owner, permission)
+        await respond(send, 200, orjson.dumps({"object": "list", "data": [card, *adapters]}))
+
+    async def load_lora_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """vLLM's ``POST /v1/load_lora_adapter``: a plain-text success line, or its error."""
+        await self._adapter_route(receive, send, self.adapters.load)
+
+    async def unload_lora_adapter(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._adapter_route(receive, send, self.adapters.unload)
+
+    async def _adapter_route(
+        self,
+        receive: Receive,
+        send: Send,
+        action: Callable[[dict[str, Any]], tuple[int, bytes]],
+    ) -> None:
+        try:
+            data = await json_body(receive)
+        except ClientError as exc:
+            await respond_error(send, exc)
+            return
+        status, body = action(data)
+        await respond(send, status, body, TEXT if status == 200 else JSON)
 
     async def metrics_endpoint(self, scope: Scope, receive: Receive, send: Send) -> None:
         stats = {r: e.stats() for r, e in self.engines.items()}

@@ -157,6 +157,8 @@ SGLANG_E2E_BUCKETS = (
 # vLLM 0.32's per-request histograms (tests/fixtures/vllm_real/metrics.txt): name, help,
 # buckets. Observed when a request finishes; iteration_tokens_total (per engine step) is
 # exposed with no observations, as the engine steps are not seen from the server.
+# Label sets of vllm:lora_requests_info kept (vLLM keeps all; a mock bounds them).
+LORA_SERIES_KEPT = 64
 VLLM_TOKEN_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0)
 VLLM_ITERATION_BUCKETS: tuple[float, ...] = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 VLLM_ITERATION_BUCKETS += (1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
@@ -273,8 +275,13 @@ class EngineMetrics:
         dp_size: int,
         block_size: int,
         prefix_caching: bool,
+        max_lora: int = 0,
     ) -> None:
         self.flavor = flavor
+        # vLLM's lora_requests_info: one series per label set ever reported, its value the
+        # time it was last reported (``set_to_current_time``); 0 when LoRA is off.
+        self.max_lora = max_lora
+        self.lora_series: dict[tuple[str, str], float] = {}
         self.model = model
         self.block_size = block_size
         self.prefix_caching = prefix_caching
@@ -438,6 +445,8 @@ class EngineMetrics:
                     f" {float(n)}"
                 )
         self._render_vllm_more(stats, out)
+        if self.max_lora:
+            self._render_lora(stats, out)
         self._histograms(out, "vllm", "inter_token_latency_seconds")
         for suffix, help_, _ in VLLM_REQUEST_HISTOGRAMS:
             name = f"vllm:{suffix}"
@@ -445,6 +454,25 @@ class EngineMetrics:
             out.append(f"# TYPE {name} histogram")
             for r, m in self.ranks.items():
                 m.requests[suffix].render(name, self._labels[r], out)
+
+    def _render_lora(self, stats: dict[int, EngineStats], out: list[str]) -> None:
+        """vLLM's ``vllm:lora_requests_info``: no engine label (its ranks overwrite each
+        other's; here their adapters are merged), and every label set it reported stays,
+        so a reader takes the series with the newest timestamp."""
+        running = sorted({n for s in stats.values() for n in s.running_loras})
+        waiting = sorted({n for s in stats.values() for n in s.waiting_loras})
+        key = (",".join(waiting), ",".join(running))
+        self.lora_series.pop(key, None)
+        self.lora_series[key] = time.time()
+        while len(self.lora_series) > LORA_SERIES_KEPT:
+            del self.lora_series[next(iter(self.lora_series))]
+        out.append("# HELP vllm:lora_requests_info Running stats on lora requests.")
+        out.append("# TYPE vllm:lora_requests_info gauge")
+        for (w, r), at in self.lora_series.items():
+            out.append(
+                f'vllm:lora_requests_info{{max_lora="{self.max_lora}",'
+                f'waiting_lora_adapters="{w}",running_lora_adapters="{r}"}} {at}'
+            )
 
     def _labelled(
         self, out: list[str], name: str, kind: str, help_: str, values: dict[int, dict[str, float]]

@@ -87,6 +87,8 @@ class Planner:
             output_token_ids=self.output_ids,
             cache_salt=p.cache_salt,
             priority=p.priority,
+            lora_name=p.lora.name if p.lora is not None else None,
+            lora_id=p.lora.lora_id if p.lora is not None else None,
         )
         plan = Plan(rank, req, "", None, 0)
         kvp = p.kv_transfer_params

@@ -6,12 +6,14 @@ off a benchmark's critical path. Refusals are ``ClientError``s (OpenAI error sha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from switchyard.mock.asgi import ClientError
 from switchyard.mock.engine.api import context_length_error
 from switchyard.mock.epd import count_images, image_refs, mm_hash
+from switchyard.mock.lora import Adapter
 from switchyard.mock.tokenizer import ModelTokenizer, TemplateError
 
 
@@ -31,21 +33,27 @@ class Parsed:
     ec_transfer_params: dict[str, Any] | None
     cache_salt: str | None
     priority: int
+    lora: Adapter | None = None  # the adapter the request names as its model
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """What a request is checked against: the served model and its context window."""
+    """What a request is checked against: the served model, its adapters (the live
+    registry) and its context window."""
 
     model: str
     default_max_tokens: int
     max_len: int
+    adapters: Mapping[str, Adapter] = field(default_factory=dict)
 
 
 def parse_request(data: dict[str, Any], chat: bool, tok: ModelTokenizer, limits: Limits) -> Parsed:
     model = data.get("model")
+    lora = None
     if model is not None and model != limits.model:
-        raise ClientError(404, f"The model `{model}` does not exist.", "model")
+        lora = limits.adapters.get(model) if isinstance(model, str) else None
+        if lora is None:
+            raise ClientError(404, f"The model `{model}` does not exist.", "model")
     n = data.get("n", 1)
     if n != 1:
         raise ClientError(400, "only n=1 is supported by the mock engine", "n")
@@ -119,4 +127,5 @@ def parse_request(data: dict[str, Any], chat: bool, tok: ModelTokenizer, limits:
         ec_transfer_params=ecp if isinstance(ecp, dict) else None,
         cache_salt=salt if isinstance(salt, str) and salt else None,
         priority=priority,
+        lora=lora,
     )

@@ -32,6 +32,8 @@ SGLANG_DEFAULT_BOOTSTRAP_PORT = 8998
 
 def engine_config(s: MockSettings) -> EngineConfig:
     given = {f: getattr(s, f) for f in ENGINE_FIELDS if getattr(s, f) is not None}
+    if s.lora_enabled:
+        given.update(max_loras=s.max_loras, lora_load_us=s.lora_load_ms * 1000.0)
     return EngineConfig(speed=s.speed, seed=s.seed, hash_flavor=s.flavor, **given)
 
 
@@ -174,6 +176,7 @@ def build(s: MockSettings, tokenizer: ModelTokenizer | None = None) -> Deploymen
             s.dp_size,
             config.block_size,
             config.enable_prefix_caching,
+            config.max_loras if s.flavor == "vllm" else 0,
         )
         app = EngineServer(
             s,

@@ -55,6 +55,13 @@ class MockSettings(ServiceSettings):
             "kv_events_encoding",
             "kv_events_topic",
         ),
+        "LoRA": (
+            "enable_lora",
+            "max_loras",
+            "lora_modules",
+            "lora_load_ms",
+            "runtime_lora_updating",
+        ),
         "P/D": ("bootstrap_port", "pd_wait_timeout_s", "encode_us_per_image"),
         "Faults": (
             "fault_error_rate",
@@ -115,6 +122,21 @@ class MockSettings(ServiceSettings):
     )
     kv_events_topic: str = Field(default="", description="ZMQ topic")
 
+    # LoRA adapters, as vLLM's flags name them.
+    enable_lora: bool = Field(default=False, description="serve LoRA adapters")
+    max_loras: int = Field(default=1, ge=1, description="adapters one step may run (GPU slots)")
+    lora_modules: list[str] = Field(
+        default_factory=list, description="adapter known at start, name=path, repeatable"
+    )
+    lora_load_ms: float = Field(
+        default=20.0, ge=0, description="model time to load an adapter into a slot"
+    )
+    # vLLM gates these routes with the env VLLM_ALLOW_RUNTIME_LORA_UPDATING; the mock
+    # honours that variable too.
+    runtime_lora_updating: bool = Field(
+        default=False, description="serve /v1/load_lora_adapter and /v1/unload_lora_adapter"
+    )
+
     # P/D and E/P/D.
     bootstrap_port: int | None = Field(default=None, description="SGLang prefill bootstrap port")
     pd_wait_timeout_s: float = Field(default=10.0, description="decode wait for prefill KV")
@@ -133,6 +155,25 @@ class MockSettings(ServiceSettings):
     fault_drop_after_tokens: int = Field(default=0, description="cut streams after N tokens")
     fault_drop_rate: float = Field(default=1.0, description="fraction of streams cut")
     fault_kv_gap: int = Field(default=0, description="skip N KV-event seqs at start")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path (vLLM's ``name=path`` form)."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules takes name=path, not {item!r}")
+            out[name.strip()] = path.strip()
+        return out
+
+    @model_validator(mode="after")
+    def _lora_modules_parse(self) -> MockSettings:
+        self.lora_module_paths()
+        return self
 
     @model_validator(mode="before")
     @classmethod

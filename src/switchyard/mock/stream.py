@@ -82,7 +82,7 @@ class Run:
             agen = engine.generate(plan.request)
         rm = app.metrics.ranks[plan.rank]
         created = int(time.time())
-        model = app.s.model
+        model = app.s.model if p.lora is None else p.lora.name
         send = self.send
         n_prompt = len(p.prompt_ids)
         enc = shapes.StreamEncoder(self.chat, self.rid, created, model) if p.stream else None

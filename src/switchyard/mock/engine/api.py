@@ -19,6 +19,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     lora_name: str | None = None
+    lora_id: int | None = None  # vLLM's lora_int_id, published in KV events
     cache_salt: str | None = None
     priority: int = 0
     # P/D, prefill side: keep the prompt's blocks allocated after the one token,
@@ -57,6 +58,9 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     requests_finished: int
+    # Adapter name -> requests, as vLLM's scheduler stats count them for lora_requests_info.
+    running_loras: dict[str, int] = field(default_factory=dict)
+    waiting_loras: dict[str, int] = field(default_factory=dict)
 
 
 def context_length_error(max_len: int, prompt_tokens: int, max_tokens: int) -> str | None:

@@ -59,6 +59,11 @@ class EngineConfig:
     # vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES (default on): publish uint64 hashes; off
     # publishes the raw 32-byte digests (msgpack bin). SGLang always publishes int64.
     int_block_hashes: bool = True
+    # vLLM's --max-loras: adapters one step may run (0: LoRA off). An adapter a step needs
+    # that is not in one of these GPU slots is loaded into one, evicting the least recently
+    # used, and the step pays ``lora_load_us`` for it.
+    max_loras: int = 0
+    lora_load_us: float = 20_000.0
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -10,8 +10,8 @@ sleeps the duration, the virtual clock adds it.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from switchyard.mock.engine.api import EngineRequest, EngineStats, FinishReason
@@ -113,6 +113,12 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.num_preemptions = 0
         self.requests_finished = 0
+        # LoRA: the adapters in GPU slots, least recently used first (vLLM's LRU cache of
+        # active adapters); None when LoRA is off, so adapter names only key the hashes.
+        self.max_loras = config.max_loras
+        self.lora_slots: OrderedDict[str, None] | None = OrderedDict() if config.max_loras else None
+        self._lora_load = config.lora_load_us * 1e-6
+        self.lora_loads = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -220,6 +226,8 @@ class EngineCore:
         scheduled: list[tuple[Seq, int]] = []
         running = self.running
         preempted = False
+        # The adapters this step runs: at most max_loras, as vLLM's scheduler keeps them.
+        loras: set[str] | None = None if self.lora_slots is None else set()
 
         i = 0
         while i < len(running) and budget > 0:
@@ -241,14 +249,17 @@ class EngineCore:
                 seq.blocks.extend(pool.allocate(need))
             scheduled.append((seq, num_new))
             budget -= num_new
+            if loras is not None and seq.req.lora_name:
+                loras.add(seq.req.lora_name)
             if self.caching and end // bs > seq.num_cached_blocks:
                 self._cache_blocks(seq, end // bs)
             i += 1
 
         if not preempted and self.waiting:
-            self._schedule_waiting(now, budget, scheduled)
+            self._schedule_waiting(now, budget, scheduled, loras)
 
-        result = self._execute(now, scheduled)
+        loading = self._load_loras(loras) * self._lora_load if loras else 0.0
+        result = self._execute(now, scheduled, loading)
         if pool.events:
             self._flush_events(now if ts is None else ts)
         return result
@@ -258,7 +269,31 @@ class EngineCore:
         if self.event_sink is not None and events:
             self.event_sink(KVEventBatch(ts, events, self.dp_rank))
 
-    def _schedule_waiting(self, now: float, budget: int, scheduled: list[tuple[Seq, int]]) -> None:
+    def _load_loras(self, loras: set[str]) -> int:
+        """Put this step's adapters in GPU slots, evicting the least recently used ones the
+        step does not run; the number loaded (each costs the step a load)."""
+        slots = self.lora_slots
+        assert slots is not None
+        loaded = 0
+        for name in loras:
+            if name in slots:
+                slots.move_to_end(name)
+            else:
+                slots[name] = None
+                loaded += 1
+        if len(slots) > self.max_loras:
+            for name in [n for n in slots if n not in loras][: len(slots) - self.max_loras]:
+                del slots[name]
+        self.lora_loads += loaded
+        return loaded
+
+    def _schedule_waiting(
+        self,
+        now: float,
+        budget: int,
+        scheduled: list[tuple[Seq, int]],
+        loras: set[str] | None = None,
+    ) -> None:
         bs = self.block_size
         pool = self.pool
         waiting = self.waiting
@@ -268,6 +303,11 @@ class EngineCore:
         while waiting and len(running) < max_seqs and budget > 0:
             seq = waiting[0]
             if seq.remote_ready_at > now:
+                skipped.append(waiting.popleft())
+                continue
+            lora = seq.req.lora_name
+            if loras is not None and lora and lora not in loras and len(loras) >= self.max_loras:
+                # As vLLM: a request whose adapter would exceed max_loras waits, others pass.
                 skipped.append(waiting.popleft())
                 continue
             hit: list[Block] = []
@@ -321,6 +361,8 @@ class EngineCore:
             seq.state = RUNNING
             running.append(seq)
             scheduled.append((seq, num_new))
+            if loras is not None and lora:
+                loras.add(lora)
             budget -= num_new
             if self.caching and end // bs > seq.num_cached_blocks:
                 self._cache_blocks(seq, end // bs)
@@ -342,7 +384,9 @@ class EngineCore:
             hit.append(b)
         return hit
 
-    def _execute(self, now: float, scheduled: list[tuple[Seq, int]]) -> StepResult:
+    def _execute(
+        self, now: float, scheduled: list[tuple[Seq, int]], loading: float = 0.0
+    ) -> StepResult:
         prefill = decode = context = 0
         progressed: list[Seq] = []
         any_finished = False
@@ -363,7 +407,7 @@ class EngineCore:
                 progressed.append(seq)
                 if seq.num_generated >= seq.max_tokens:
                     any_finished = True
-        duration = self._a + self._b * prefill + self._c * decode + self._d * context
+        duration = self._a + self._b * prefill + self._c * decode + self._d * context + loading
         if not scheduled:
             duration = 0.0
         self.generation_tokens_total += len(progressed)
@@ -462,7 +506,7 @@ class EngineCore:
                     parent,
                     tokens[start * bs : num_full * bs],
                     bs,
-                    None,
+                    req.lora_id,
                     lora_name=req.lora_name,
                     extra_keys=extra,
                 )
@@ -482,4 +526,15 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             num_preemptions=self.num_preemptions,
             requests_finished=self.requests_finished,
+            running_loras=_count_loras(self.running),
+            waiting_loras=_count_loras(self.waiting),
         )
+
+
+def _count_loras(seqs: Iterable[Seq]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for seq in seqs:
+        name = seq.req.lora_name
+        if name:
+            out[name] = out.get(name, 0) + 1
+    return out
