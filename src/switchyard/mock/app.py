@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 from starlette.types import Receive, Scope, Send
 
+from switchyard.mock import apis
 from switchyard.mock import openai_shapes as shapes
 from switchyard.mock.asgi import (
     JSON,
@@ -139,6 +140,10 @@ class EngineServer:
             )
         else:
             self.routes[("GET", "/kv_event_sources")] = self.kv_event_sources
+            # vLLM's Anthropic and Responses routes, each answered over the chat path.
+            self.responses = apis.Responses(self.chat_completions)
+            self.routes[("POST", "/v1/messages")] = self.messages
+            self.routes[("POST", "/v1/responses")] = self.responses.create
             if settings.lora_enabled and runtime_updating_allowed(settings.runtime_lora_updating):
                 self.routes[("POST", "/v1/load_lora_adapter")] = self.load_lora_adapter
                 self.routes[("POST", "/v1/unload_lora_adapter")] = self.unload_lora_adapter
@@ -149,6 +154,12 @@ class EngineServer:
                 await lifespan(receive, send)
             return
         handler = self.routes.get((scope["method"], scope["path"]))
+        if (
+            handler is None
+            and scope["path"].startswith("/v1/responses/")
+            and self.s.flavor == "vllm"
+        ):
+            handler = self.responses.retrieve
         if handler is None:
             known = any(path == scope["path"] for _, path in self.routes)
             await not_found(scope, send, 405 if known else 404)
@@ -415,6 +426,9 @@ class EngineServer:
 
     async def chat_completions(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._generate(scope, receive, send, chat=True)
+
+    async def messages(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await apis.messages(scope, receive, send, self.chat_completions)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         raw_rid = header(scope, b"x-request-id")
