@@ -1,6 +1,7 @@
 """API keys for the router, the balancer service and the kvstore service: one check for all.
 
-A client presents its key as ``Authorization: Bearer KEY``. A key setting holds one key,
+A client presents its key as ``Authorization: Bearer KEY`` (on the router's Anthropic
+route also as ``x-api-key: KEY``, as Anthropic's SDK sends it). A key setting holds one key,
 or several separated by commas (one per client, so a key can be rotated on its own). A
 data key may be bound to a tenant as ``TENANT:KEY``; the router labels that key's
 requests with the tenant (so a key holds no ':' of its own).
@@ -63,7 +64,15 @@ class RequireKey:
         Compares with every key, in constant time each."""
         if not self.keys:
             return None if self.closed else NO_TENANT
-        given = bearer(authorization)
+        return self._match(bearer(authorization))
+
+    def tenant_of_key(self, key: bytes | None) -> str | None:
+        """As ``tenant``, for a bare key (an ``x-api-key`` header's value)."""
+        if not self.keys:
+            return None if self.closed else NO_TENANT
+        return self._match(key.strip() or None if key is not None else None)
+
+    def _match(self, given: bytes | None) -> str | None:
         found: str | None = None
         for key, tenant in zip(self.keys, self.tenants, strict=True):
             if hmac.compare_digest(given or b"", key):

@@ -1,9 +1,11 @@
 """The router's ASGI application: a lean data path, FastAPI for everything else.
 
-The three inference routes are handled by a bare ASGI function (no framework
+The inference routes are handled by a bare ASGI function (no framework
 routing, no per-request pydantic model, orjson only for the fields routing
-needs), several times cheaper than a FastAPI route on this path. Every other
-path (health, models, metrics, admin, docs) goes to the FastAPI control app.
+needs), several times cheaper than a FastAPI route on this path: the three OpenAI
+routes, and beside them Anthropic Messages, OpenAI Responses and the pass-through routes
+(``router.apis``). Every other path (health, models, metrics, admin, docs) goes to the
+FastAPI control app.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import orjson
 from starlette.types import Message, Receive, Scope, Send
 
 from switchyard.balancer.siblings import SiblingBus
@@ -24,8 +27,10 @@ from switchyard.balancer.worker import Worker
 from switchyard.core.auth import data_access
 from switchyard.kvstore.remote import RemoteKVStore
 from switchyard.kvstore.store import KVStore
+from switchyard.net.errors import TransportError
 from switchyard.net.httpclient import PieceWriter
 from switchyard.router.admission import PRIORITIES, Admission, TTFTModel, priority_name
+from switchyard.router.apis import AnswerFilter, ResponseHolders, renaming
 from switchyard.router.connections import CLIENT_GONE, STREAM_WRITER
 from switchyard.router.control import build_control_app
 from switchyard.router.errors import RouterError
@@ -48,17 +53,28 @@ from switchyard.router.metrics import (
     flush_metric_files_on,
 )
 from switchyard.router.pd.orchestrator import build_orchestrator
-from switchyard.router.relay import Relay, send_complete
-from switchyard.router.request import DATA_ROUTES, RoutedRequest, parse
+from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
+from switchyard.router.request import (
+    API_ROUTES,
+    DATA_ROUTES,
+    DETOKENIZE,
+    MESSAGES,
+    RESPONSES,
+    TOKENIZE,
+    RoutedRequest,
+    parse,
+)
 from switchyard.router.scheduler.framework import Context, Explanation, Scheduler
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests
 from switchyard.router.tracing import REQUEST_ID, RequestTrace, Tracing, build_tracing
+from switchyard.router.upstream import Call
 
 log = logging.getLogger("switchyard.router")
 _T = TypeVar("_T")
 
 _FAIRNESS_ID = FAIRNESS_ID_HEADER.encode("latin-1")
+_RESPONSE_PATH = RESPONSES + "/"  # GET /v1/responses/{id}, POST /v1/responses/{id}/cancel
 # Tenants named by a trusted header are unbounded: cache the plain identities of this many.
 _MAX_CACHED_IDENTITIES = 1024
 
@@ -66,7 +82,7 @@ _MAX_CACHED_IDENTITIES = 1024
 def _max_tokens(req: RoutedRequest) -> int | None:
     """The output the client allowed (None: unsaid), for a rate-limit reservation."""
     data = req.data
-    value = data.get("max_completion_tokens", data.get("max_tokens"))
+    value = data.get("max_completion_tokens", data.get("max_tokens", data.get("max_output_tokens")))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -187,6 +203,13 @@ class RouterApp:
             f"Bearer {settings.worker_api_key}" if settings.worker_api_key else None
         )
         self._routes = {route: route for route in DATA_ROUTES}
+        self._api_routes = {route: route for route in API_ROUTES}
+        # Public model name -> (served name, the answer's bytes to swap); empty: no aliases.
+        self._aliases = {
+            public: (served, renaming(served, public))
+            for public, served in settings.aliases.items()
+        }
+        self.responses = ResponseHolders(siblings=siblings)
         self.flow = self._build_flow(settings, fleet, siblings)
         if self.flow is not None:
             self.forwarder.on_first_token = self.flow.prefilled
@@ -282,6 +305,17 @@ class RouterApp:
                     error = RouterError(405, f"Method {scope['method']} not allowed; use POST")
                     await self._send_error(_Response(send), error, new_request_id())
                 return
+            route = self._api_routes.get(scope["path"])
+            if route is not None:
+                if scope["method"] == "POST":
+                    await self._handle(route, scope, receive, send, api=True)
+                else:
+                    error = RouterError(405, f"Method {scope['method']} not allowed; use POST")
+                    await self._send_error(_Response(send), error, new_request_id(), route)
+                return
+            if scope["path"].startswith(_RESPONSE_PATH):
+                await self._stored_response(scope, receive, send)
+                return
             limit = self.settings.limits.max_header_bytes
             if sum(len(k) + len(v) for k, v in scope["headers"]) > limit:
                 error = RouterError(
@@ -309,7 +343,10 @@ class RouterApp:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    async def _handle(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _handle(
+        self, route: str, scope: Scope, receive: Receive, send: Send, api: bool = False
+    ) -> None:
+        """One request on a data route; ``api``: one of ``API_ROUTES``."""
         started = time.perf_counter()
         request_id: bytes | None = None
         session: str | None = None
@@ -371,6 +408,8 @@ class RouterApp:
                     code="headers_too_large",
                 )
             tenant = self.api_key.tenant(auth)
+            if tenant is None and api and auth is None and route == MESSAGES:
+                tenant = self.api_key.tenant_of_key(_header(scope, b"x-api-key"))
             if tenant is None:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
             self.tenants.admit(tenant)
@@ -382,13 +421,17 @@ class RouterApp:
             req = parse(route, body, session, self.settings.client_kv_transfer)
             if trace is not None:
                 trace.describe(req.model, identity.tenant, priority_name(identity.priority))
+            sink: Send = response
+            holder: str | None = None
+            if api or self._aliases:
+                sink, holder = self._adapt(route, req, response)
             assert task is not None
             when_gone = extensions.get(CLIENT_GONE)
             if when_gone is not None:
                 when_gone(functools.partial(self._on_client_gone, task, response))
             dispatch: Awaitable[tuple[int, str]]
             if self.pd is not None and self.pd.applies(req):
-                dispatch = self.pd.handle(req, forward_headers, request_id, response, started)
+                dispatch = self.pd.handle(req, forward_headers, request_id, sink, started)
             else:
                 flow = self.flow
                 if flow is not None:
@@ -410,11 +453,13 @@ class RouterApp:
                 ctx, ranked = await self.schedule(
                     req, request_id, priority_name(identity.priority), slo_header
                 )
+                if holder is not None:
+                    ranked = _holder_first(ranked, holder)
                 if grant is not None:
                     assert flow is not None
                     flow.begun(grant)
                 dispatch = self.forwarder.forward(
-                    req, ctx, ranked, forward_headers, request_id, response, started
+                    req, ctx, ranked, forward_headers, request_id, sink, started
                 )
             if when_gone is not None:
                 status, worker_id = await dispatch
@@ -422,7 +467,7 @@ class RouterApp:
                 status, worker_id = await self._watching_receive(dispatch, receive, task, response)
         except RouterError as exc:
             status = exc.status
-            await self._send_error(response, exc, request_id)
+            await self._send_error(response, exc, request_id, route)
         except _ClientGone:
             status = 499
         except asyncio.CancelledError:
@@ -435,7 +480,7 @@ class RouterApp:
             else:  # the shutdown timeout passed: a clean error rather than a cut connection
                 status = 503
                 stop = RouterError(503, "The router is shutting down", code="shutting_down")
-                await self._send_error(response, stop, request_id)
+                await self._send_error(response, stop, request_id, route)
         except Exception:
             log.exception("unexpected error routing %s", request_id.decode("latin-1"))
             status = 500
@@ -443,6 +488,7 @@ class RouterApp:
                 response,
                 RouterError(500, "Internal router error", code="internal_error"),
                 request_id,
+                route,
             )
         finally:
             if admitted:
@@ -461,6 +507,119 @@ class RouterApp:
         m.child(m.requests, route, str(status), worker_id).inc()
         self.tenants.count(tenant, status)
         m.child(m.latency, route).observe(time.perf_counter() - started)
+
+    def _adapt(
+        self, route: str, req: RoutedRequest, response: _Response
+    ) -> tuple[Send, str | None]:
+        """What a request on an API route or naming an alias needs before it is routed: the
+        fleet's one model where a (de)tokenize names none, the served model for an alias,
+        the worker holding a ``previous_response_id``; and the filter its answer goes
+        through (or the response itself)."""
+        if not req.model and route in (TOKENIZE, DETOKENIZE):
+            models = self.fleet.models()
+            if len(models) != 1:
+                raise RouterError(
+                    400,
+                    "Missing required parameter: 'model' (the fleet serves several)",
+                    param="model",
+                )
+            req.model = models[0]
+        rename: tuple[bytes, bytes] | None = None
+        alias = self._aliases.get(req.model) if self._aliases else None
+        if alias is not None:
+            served, rename = alias
+            req.data["model"] = req.model = served
+            req.body = orjson.dumps(req.data)
+        holder: str | None = None
+        on_id = None
+        if route == RESPONSES:
+            on_id = self.responses.remember
+            previous = req.data.get("previous_response_id")
+            if isinstance(previous, str):
+                holder = self.responses.holder(previous)
+        if rename is None and route not in API_ROUTES:
+            return response, holder
+        return AnswerFilter(response, route, rename, on_id), holder
+
+    async def _stored_response(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """GET /v1/responses/{id} and POST /v1/responses/{id}/cancel (vLLM's, with the
+        engine's response store on), relayed to the worker that answered that id."""
+        response = _Response(send)
+        request_id = _header(scope, b"x-request-id") or b""
+        if not valid_request_id(request_id):
+            request_id = new_request_id()
+        status, worker_id = 500, "none"
+        try:
+            if self.api_key.tenant(_header(scope, b"authorization")) is None:
+                raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
+            response_id, _, action = scope["path"][len(_RESPONSE_PATH) :].partition("/")
+            method = scope["method"]
+            if not response_id or action not in ("", "cancel"):
+                raise RouterError(404, f"No route {scope['path']}", code="not_found")
+            if (method, action) not in (("GET", ""), ("DELETE", ""), ("POST", "cancel")):
+                raise RouterError(405, f"Method {method} not allowed on {scope['path']}")
+            holder = self.responses.holder(response_id)
+            worker = self.fleet.get(holder) if holder is not None else None
+            if worker is None:
+                raise RouterError(
+                    404,
+                    f"Response with id '{response_id}' not found.",
+                    param="response_id",
+                    code="response_not_found",
+                )
+            body = await self._read_body(receive, None)
+            status, worker_id = await self._relay_stored(scope, worker, body, request_id, response)
+        except RouterError as exc:
+            status = exc.status
+            await self._send_error(response, exc, request_id)
+        except _ClientGone:
+            status = 499
+        self.metrics.child(
+            self.metrics.requests, _RESPONSE_PATH + "{id}", str(status), worker_id
+        ).inc()
+
+    async def _relay_stored(
+        self, scope: Scope, worker: Worker, body: bytes, request_id: bytes, response: _Response
+    ) -> tuple[int, str]:
+        path = scope["path"]
+        query = scope.get("query_string", b"")
+        if query:
+            path += "?" + query.decode("latin-1")
+        headers = {"x-request-id": request_id.decode("latin-1")}
+        if self.worker_authorization is not None:
+            headers["authorization"] = self.worker_authorization
+        call = Call(self.fleet, worker, None, path, headers, prompt_tokens=0, tracing=None)
+        try:
+            with call:
+                resp = await self.relay.pool.request(
+                    scope["method"], call.url, body, call.headers, self.relay.first_byte_timeout_s
+                )
+                try:
+                    call.head(resp.status)
+                    out = response_headers(resp, request_id)
+                    out.append((WORKER_HEADER, worker.id.encode()))
+                    if not resp.content_type.startswith(b"text/event-stream"):
+                        await send_complete(
+                            response, resp.status, out, await self.relay.read_all(resp)
+                        )
+                        return resp.status, worker.id
+                    await response(
+                        {"type": "http.response.start", "status": resp.status, "headers": out}
+                    )
+                    await self.relay.stream(resp, response, b"", lambda n: None)
+                    await response({"type": "http.response.body", "body": b""})
+                    return resp.status, worker.id
+                finally:
+                    resp.close()
+        except (UpstreamTimeout, TransportError, OSError) as exc:
+            if response.started:
+                return 502, worker.id
+            raise RouterError(
+                502,
+                f"Upstream worker {worker.id} failed: {type(exc).__name__}",
+                code="upstream_error",
+                headers={WORKER_HEADER.decode(): worker.id},
+            ) from None
 
     def _identity(
         self,
@@ -625,13 +784,18 @@ class RouterApp:
             headers={"retry-after": str(self.settings.retry.after_s)},
         )
 
-    async def _send_error(self, response: _Response, exc: RouterError, request_id: bytes) -> None:
+    async def _send_error(
+        self, response: _Response, exc: RouterError, request_id: bytes, route: str = ""
+    ) -> None:
+        """``exc`` in the shape of ``route``'s API: Anthropic's on the Messages route."""
         if response.client_gone:
             return
-        body = exc.body()
+        anthropic = route == MESSAGES
+        body = exc.anthropic_body() if anthropic else exc.body()
         if response.started:
             if not response.finished:
-                tail = b"data: " + body + b"\n\n" if response.is_sse else b""
+                event = b"event: error\n" if anthropic else b""
+                tail = event + b"data: " + body + b"\n\n" if response.is_sse else b""
                 await response({"type": "http.response.body", "body": tail})
             return
         headers = [
@@ -642,3 +806,21 @@ class RouterApp:
         if WORKER_HEADER.decode() not in exc.headers:
             headers.append((WORKER_HEADER, b"none"))
         await send_complete(response, exc.status, headers, body)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    key: bytes
+    value: bytes
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+def _holder_first(ranked: list[Worker], holder: str) -> list[Worker]:
+    """The policy's order with the worker that holds the previous response first, where it
+    may take the request; else the order as it was (that worker will not find the id)."""
+    for i, worker in enumerate(ranked):
+        if worker.id == holder:
+            return [worker, *ranked[:i], *ranked[i + 1 :]] if i else ranked
+    return ranked

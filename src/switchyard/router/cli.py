@@ -12,6 +12,7 @@ from switchyard.router.settings import RouterSettings
 # The short spellings the README and deploy/ use, and engines' own where they have one.
 ALIASES = {
     "workers": ["--worker", "-w"],
+    "model_aliases": ["--model-alias"],
     "redis_url": ["--redis", "--redis-url"],
     "pd.prefill": ["--prefill"],
     "pd.decode": ["--decode"],

@@ -194,7 +194,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
     app = FastAPI(
         title="Switchyard router",
         description="OpenAI-compatible router: control plane (the inference routes are "
-        "POST /v1/completions, /v1/chat/completions and /v1/embeddings).",
+        "POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/messages, "
+        "/v1/responses, /v1/rerank, /v1/score, /tokenize and /detokenize).",
         version="0.1.0",
         docs_url=None,
         redoc_url=None,
@@ -264,13 +265,27 @@ def build_control_app(router: RouterApp) -> FastAPI:
         "/v1/models", dependencies=[Depends(router.api_key)], summary="Union of the workers' models"
     )
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
-                for m in sorted(router.fleet.models())
-            ],
-        }
+        served = set(router.fleet.models())
+        aliases = router.settings.aliases
+        # A served name that is also an alias answers as the alias: listed once, as that.
+        cards: list[dict[str, Any]] = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "switchyard"}
+            for m in sorted(served - aliases.keys())
+        ]
+        # An alias is listed while its served model is: ``root`` and ``parent`` name that.
+        for public, target in sorted(aliases.items()):
+            if target in served:
+                cards.append(
+                    {
+                        "id": public,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "switchyard",
+                        "root": target,
+                        "parent": target,
+                    }
+                )
+        return {"object": "list", "data": cards}
 
     app.include_router(admin_router(router.fleet, admin_access(settings.admin_api_key)))
 

@@ -32,7 +32,7 @@ from switchyard.router.errors import RouterError, engine_error_body
 from switchyard.router.kv import KVAwareness
 from switchyard.router.metrics import RouterMetrics
 from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
-from switchyard.router.request import COMPLETIONS, EMBEDDINGS, RoutedRequest
+from switchyard.router.request import COMPLETIONS, EMBEDDINGS, PASS_THROUGH, RoutedRequest
 from switchyard.router.scheduler.framework import Context
 from switchyard.router.upstream import Call, Unsent, may_have_started
 
@@ -47,7 +47,7 @@ _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
 _GONE_PROBES = 4
 _GONE_PROBE_GAP_S = 0.05
 # The routes whose requests generate nothing: retried even where a worker may have begun.
-_NON_GENERATING = frozenset({EMBEDDINGS})
+_NON_GENERATING = frozenset({EMBEDDINGS, *PASS_THROUGH})
 # max_tokens of a completion that omits it: the OpenAI API's default, which vLLM and SGLang
 # apply too (a chat's default is the rest of the context).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

@@ -26,6 +26,8 @@ FORWARDED_HEADERS: dict[bytes, str] = {
         b"traceparent",
         b"tracestate",
         b"baggage",
+        b"anthropic-version",  # Messages: passed on, though vLLM does not require it
+        b"anthropic-beta",
     )
 }
 

@@ -517,6 +517,8 @@ class KVAwareness:
             if isinstance(text, list) and text and not isinstance(text[0], int):
                 text = text[0]
             prompt["prompt"] = text
+        elif req.messages is not None:  # Messages, Responses: the chat the engine renders
+            prompt["messages"] = req.messages
         else:
             return
         salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None

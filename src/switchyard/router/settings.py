@@ -479,6 +479,7 @@ class RouterSettings(ServiceSettings):
             "workers",
             "policy",
             "policy_options",
+            "model_aliases",
             "tokenizer",
             "kvstore",
             "balancer",
@@ -523,6 +524,12 @@ class RouterSettings(ServiceSettings):
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="policy options as JSON (see the README's policies)"
+    )
+    model_aliases: list[str] = Field(
+        default_factory=list,
+        description="PUBLIC=SERVED: clients name the model PUBLIC, workers serving SERVED "
+        "answer (bodies' model rewritten both ways; /v1/models lists PUBLIC), repeatable; "
+        "in YAML also a mapping",
     )
     tokenizer: str | None = Field(
         default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
@@ -586,6 +593,34 @@ class RouterSettings(ServiceSettings):
     def _tenant_keys(cls, value: str | None) -> str | None:
         tenant_keys(value)
         return value
+
+    @field_validator("model_aliases", mode="before")
+    @classmethod
+    def _alias_mapping(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return [f"{public}={served}" for public, served in value.items()]
+        return value
+
+    @field_validator("model_aliases")
+    @classmethod
+    def _alias_pairs(cls, value: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for pair in value:
+            public, eq, served = pair.partition("=")
+            if not eq or not public.strip() or not served.strip():
+                raise ValueError(f"--model-alias {pair!r}: expected PUBLIC=SERVED")
+            if public.strip() == served.strip():
+                raise ValueError(f"--model-alias {pair!r}: a model cannot alias itself")
+            if public.strip() in seen:
+                raise ValueError(f"--model-alias: {public.strip()!r} is aliased twice")
+            seen.add(public.strip())
+        return value
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """``model_aliases`` as public name -> served name."""
+        pairs = (pair.partition("=") for pair in self.model_aliases)
+        return {public.strip(): served.strip() for public, _, served in pairs}
 
     @field_validator("processes")
     @classmethod

@@ -58,6 +58,12 @@ _OPERATIONS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
     "/v1/embeddings": "embeddings",
+    "/v1/messages": "chat",
+    "/v1/responses": "chat",
+    "/v1/rerank": "rerank",
+    "/v1/score": "score",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
 }
 # Longest worker list a schedule span names (a large fleet would make every span large).
 _MAX_LISTED = 16
