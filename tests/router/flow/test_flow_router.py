@@ -158,6 +158,7 @@ async def test_a_sheddable_request_is_refused_at_once_under_saturation() -> None
         assert (await first).status_code == 200
         text = (await router.get("/metrics")).text
     refused(shed, 429, "shed")
+    assert int(shed.headers["retry-after"]) >= 1
     assert "low" not in worker.arrived
     assert metric(text, "switchyard_router_flow_outcomes_total", outcome="shed") == 1
 

@@ -291,7 +291,10 @@ class FlowControl:
             if identity.sheddable and not self.can_serve(model):
                 self.metrics.outcome("shed")
                 raise refusal(
-                    429, "shed", "Every worker is saturated; sheddable request refused", None
+                    429,
+                    "shed",
+                    "Every worker is saturated; sheddable request refused",
+                    self.retry_after_s,
                 )
             self._refuse_if_hopeless(identity)
             waiter = _Waiter(asyncio.get_running_loop().create_future(), reservation)
