@@ -8,6 +8,7 @@ probes, model refresh, metric scrapes) and the sources (file, Kubernetes, Redis)
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import ssl
@@ -68,6 +69,9 @@ class Fleet:
         self.ssl_context = ssl_context
         self._workers: dict[str, Worker] = {}
         self._pools: dict[tuple[str | None, Role], list[Worker]] = {}
+        self._parents: dict[str, str] | None = None  # adapter -> base model, built on demand
+        self._model_refresh: asyncio.Task[None] | None = None
+        self._model_refreshed = float("-inf")
         self._listeners: list[Listener] = []
         self._sources: list[Source] = []
         self._prober: Prober | None = None
@@ -140,7 +144,7 @@ class Fleet:
             return existing
         worker = Worker(spec, self.settings, source)
         self._workers[worker.id] = worker
-        self._pools.clear()
+        self._forget_pools()
         if self._prober is not None:
             self._prober.watch(worker)
         self._notify("added", worker)
@@ -152,7 +156,7 @@ class Fleet:
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return False
-        self._pools.clear()
+        self._forget_pools()
         if self._prober is not None:
             self._prober.forget(worker_id)
         self._notify("removed", worker)
@@ -199,6 +203,37 @@ class Fleet:
     def has_model(self, model: str) -> bool:
         return any(model in w.models for w in self._workers.values())
 
+    def parent_of(self, model: str) -> str | None:
+        """The base model of a LoRA adapter some worker lists, else None."""
+        parents = self._parents
+        if parents is None:
+            parents = self._parents = {
+                name: base for w in self._workers.values() for name, base in w.adapters.items()
+            }
+        return parents.get(model)
+
+    async def refresh_models(self, workers: Iterable[Worker] | None = None) -> None:
+        """Read models again now: of ``workers`` (one just loaded an adapter), or of every
+        worker (a request named a model none lists) at most once per
+        ``model_refresh_on_miss_s``, callers in that moment sharing the one read."""
+        prober = self._prober
+        if prober is None:
+            return
+        if workers is not None:
+            await asyncio.gather(*(prober.refresh_models(w) for w in workers))
+            return
+        running = self._model_refresh
+        if running is None or running.done():
+            if time.monotonic() - self._model_refreshed < self.settings.model_refresh_on_miss_s:
+                return
+            self._model_refreshed = time.monotonic()
+            running = self._model_refresh = asyncio.get_running_loop().create_task(
+                self.refresh_models(
+                    [w for w in self._workers.values() if w.healthy and not w.spec.models]
+                )
+            )
+        await asyncio.shield(running)
+
     def subscribe(self, callback: Listener) -> None:
         """``callback(event, worker)`` with event "added", "removed" or "changed"."""
         self._listeners.append(callback)
@@ -215,9 +250,13 @@ class Fleet:
             log.warning("worker %s unhealthy: %s", worker.id, reason)
         self._notify("changed", worker)
 
-    def set_models(self, worker: Worker, models: set[str]) -> None:
+    def set_models(
+        self, worker: Worker, models: set[str], adapters: dict[str, str] | None = None
+    ) -> None:
         worker.models = models
-        self._pools.clear()
+        if adapters is not None:
+            worker.adapters = adapters
+        self._forget_pools()
         self._notify("changed", worker)
 
     # Hot path
@@ -408,7 +447,12 @@ class Fleet:
         if spec.dp_size != len(worker.ranks):
             kept = worker.ranks[: spec.dp_size]
             worker.ranks = kept + [RankCounters() for _ in range(spec.dp_size - len(kept))]
+        self._forget_pools()
+
+    def _forget_pools(self) -> None:
+        """The registry or a worker's models changed: candidate pools are built again."""
         self._pools.clear()
+        self._parents = None
 
     def _notify(self, event: str, worker: Worker) -> None:
         for callback in list(self._listeners):

@@ -41,7 +41,7 @@ import orjson
 from switchyard.balancer import dp
 from switchyard.balancer.scrape import Scrape, parse_metrics
 from switchyard.balancer.settings import BalancerSettings
-from switchyard.balancer.worker import EngineSample, Worker
+from switchyard.balancer.worker import EngineSample, LoraSample, Worker
 from switchyard.net.errors import TransportError
 from switchyard.net.httpclient import ConnectionPool
 
@@ -302,18 +302,32 @@ class Prober:
         if worker.healthy and worker.probe_failures >= s.unhealthy_threshold:
             self.fleet.set_healthy(worker, False, reason=error)
 
+    async def refresh_models(self, worker: Worker) -> None:
+        """Read the worker's models now (its spec names none), outside its loop's schedule."""
+        if not worker.spec.models:
+            await self._refresh_models(worker)
+
     async def _refresh_models(self, worker: Worker) -> None:
+        """The served models; an item with a ``parent`` is a LoRA adapter of that base model
+        (vLLM's ``/v1/models``)."""
         try:
             status, body = await self._get(worker.url + "/v1/models", self.settings.probe_timeout_s)
             if status != 200:
                 return
             data = orjson.loads(body).get("data", [])
-            models = {str(item["id"]) for item in data if isinstance(item, dict) and "id" in item}
+            items = [item for item in data if isinstance(item, dict) and "id" in item]
+            models = {str(item["id"]) for item in items}
+            adapters = {
+                str(item["id"]): str(item["parent"])
+                for item in items
+                if isinstance(item.get("parent"), str) and item["parent"]
+            }
         except (TransportError, TimeoutError, ValueError, AttributeError) as exc:
             log.debug("model refresh of %s failed: %s", worker.id, exc)
             return
-        if models and models != worker.models and self._registered(worker):
-            self.fleet.set_models(worker, models)
+        changed = models != worker.models or adapters != worker.adapters
+        if models and changed and self._registered(worker):
+            self.fleet.set_models(worker, models, adapters)
 
     async def _scrape(self, worker: Worker) -> None:
         s = self.settings
@@ -360,6 +374,18 @@ def apply_scrape(worker: Worker, samples: list[Scrape]) -> None:
         return
     if worker.flavor is None and samples[0].flavor is not None:
         worker.flavor = samples[0].flavor
+    loras = [x.lora for x in samples if x.lora is not None]
+    worker.lora = (
+        None
+        if not loras
+        else loras[0]
+        if len(loras) == 1
+        else LoraSample(
+            tuple(sorted({n for x in loras for n in x.running})),
+            tuple(sorted({n for x in loras for n in x.waiting})),
+            sum(x.max_lora for x in loras),
+        )
+    )
     if len(samples) == 1:
         worker.engine = samples[0].total
         worker.engine_ranks = dict(samples[0].ranks)

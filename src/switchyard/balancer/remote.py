@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
@@ -31,7 +31,7 @@ from switchyard.balancer.health import Circuit
 from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.shared import set_remote
 from switchyard.balancer.view import Listener
-from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
+from switchyard.balancer.worker import LoraSample, Outcome, Role, Ticket, Worker, WorkerSpec
 from switchyard.net.errors import TransportError
 from switchyard.net.httpclient import ConnectionPool
 
@@ -144,8 +144,15 @@ class RemoteFleet:
 
     def _mirror(self, worker: Worker, item: dict[str, Any]) -> None:
         models = set(item.get("models") or [])
-        if models != worker.models:
-            self._mirror_fleet.set_models(worker, models)
+        adapters = dict(item.get("adapters") or {})
+        if models != worker.models or adapters != worker.adapters:
+            self._mirror_fleet.set_models(worker, models, adapters)
+        lora = item.get("lora")
+        worker.lora = (
+            None
+            if lora is None
+            else LoraSample(tuple(lora["running"]), tuple(lora["waiting"]), int(lora["max_lora"]))
+        )
         worker.healthy = bool(item.get("healthy", True))
         worker.draining = bool(item.get("draining", False))
         worker.ejected_until = time.monotonic() + 3600 if item.get("ejected") else 0.0
@@ -316,6 +323,16 @@ class RemoteFleet:
 
     def has_model(self, model: str) -> bool:
         return self._mirror_fleet.has_model(model)
+
+    def parent_of(self, model: str) -> str | None:
+        return self._mirror_fleet.parent_of(model)
+
+    async def refresh_models(self, workers: Iterable[Worker] | None = None) -> None:
+        """Mirror the service again: it reads the workers' models on its own schedule."""
+        try:
+            await self.refresh()
+        except (TransportError, TimeoutError, ServiceRefused, ValueError) as exc:
+            log.debug("mirror refresh failed: %s", exc)
 
     def subscribe(self, callback: Listener) -> None:
         self._mirror_fleet.subscribe(callback)

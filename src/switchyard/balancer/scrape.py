@@ -21,7 +21,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from switchyard.balancer.worker import EngineSample
+from switchyard.balancer.worker import EngineSample, LoraSample
 
 RUNNING = {"vllm:num_requests_running": "vllm", "sglang:num_running_reqs": "sglang"}
 WAITING = {"vllm:num_requests_waiting": "vllm", "sglang:num_queue_reqs": "sglang"}
@@ -39,11 +39,23 @@ TTFT_COUNT = {
     "vllm:time_to_first_token_seconds_count",
     "sglang:time_to_first_token_seconds_count",
 }
+# vLLM's LoRA info gauge: adapters in its labels, the time it was set as its value; every
+# label set it ever set stays, so the newest series is the current one.
+LORA_INFO = "vllm:lora_requests_info"
 RANK_LABELS = ("engine", "dp_rank", "data_parallel_rank")
 # The families whose sample lines go to the parser.
 WANTED = tuple(
     sorted(
-        {*RUNNING, *WAITING, *KV_USAGE, VLLM_CACHE_INFO, SGLANG_CAPACITY, *TTFT_SUM, *TTFT_COUNT}
+        {
+            *RUNNING,
+            *WAITING,
+            *KV_USAGE,
+            VLLM_CACHE_INFO,
+            SGLANG_CAPACITY,
+            *TTFT_SUM,
+            *TTFT_COUNT,
+            LORA_INFO,
+        }
     )
 )
 FLAVORS = ("vllm:", "sglang:")
@@ -54,16 +66,21 @@ class Scrape:
     flavor: str | None = None
     total: EngineSample | None = None
     ranks: dict[int, EngineSample] = field(default_factory=dict)
+    lora: LoraSample | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Scrape:
         """A scrape as orjson wrote it (``OPT_NON_STR_KEYS``: rank keys as strings), the
         form the processes of one router share it in."""
         total = data["total"]
+        lora = data.get("lora")
         return cls(
             flavor=data["flavor"],
             total=None if total is None else EngineSample(**total),
             ranks={int(rank): EngineSample(**sample) for rank, sample in data["ranks"].items()},
+            lora=None
+            if lora is None
+            else LoraSample(tuple(lora["running"]), tuple(lora["waiting"]), lora["max_lora"]),
         )
 
 
@@ -72,6 +89,17 @@ def _vllm_capacity(labels: dict[str, str]) -> float | None:
         return float(int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
     except (KeyError, ValueError):
         return None
+
+
+def _lora(labels: dict[str, str]) -> LoraSample | None:
+    def names(key: str) -> tuple[str, ...]:
+        return tuple(n for n in labels.get(key, "").split(",") if n)
+
+    try:
+        max_lora = int(labels["max_lora"])
+    except (KeyError, ValueError):
+        return None
+    return LoraSample(names("running_lora_adapters"), names("waiting_lora_adapters"), max_lora)
 
 
 def _rank_of(labels: dict[str, str]) -> int | None:
@@ -143,8 +171,14 @@ def parse_metrics(text: str) -> Scrape:
     flavor = _flavor(text)
     sums: dict[tuple[str, int | None], float] = {}
     counts: dict[tuple[str, int | None], int] = {}
+    lora: LoraSample | None = None
+    lora_at = float("-inf")
     for found in _samples(_WANTED_LINE.findall("\n" + text)):
         name = found.name
+        if name == LORA_INFO:
+            if found.value > lora_at and (parsed := _lora(found.labels)) is not None:
+                lora, lora_at = parsed, found.value
+            continue
         if name in RUNNING:
             kind = "running"
         elif name in WAITING:
@@ -186,4 +220,4 @@ def parse_metrics(text: str) -> Scrape:
         )
 
     ranks = {r: s for r in {k[1] for k in sums if k[1] is not None} if (s := sample(r))}
-    return Scrape(flavor=flavor, total=sample(None), ranks=ranks)
+    return Scrape(flavor=flavor, total=sample(None), ranks=ranks, lora=lora)

@@ -38,6 +38,7 @@ class BalancerSettings(ServiceSettings):
             "probe_budget_per_s",
             "probe_max_interval_s",
             "model_refresh_interval_s",
+            "model_refresh_on_miss_s",
         ),
         "Circuit breaker": (
             "cb_failure_threshold",
@@ -149,6 +150,12 @@ class BalancerSettings(ServiceSettings):
         default=30.0,
         validation_alias=AliasChoices("model_refresh_interval_s", "model_refresh_interval"),
         description="between /v1/models refreshes",
+    )
+    model_refresh_on_miss_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="least time between the re-reads of all workers' models that "
+        "requests for an unlisted model cause",
     )
 
     # Circuit breaker (passive)

@@ -8,7 +8,7 @@ in ``address`` alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 from switchyard.balancer.worker import Outcome, Role, Ticket, Worker, WorkerSpec
@@ -66,6 +66,12 @@ class FleetView(Protocol):
     def models(self) -> list[str]: ...
 
     def has_model(self, model: str) -> bool: ...
+
+    def parent_of(self, model: str) -> str | None:
+        """The base model of a LoRA adapter some worker lists, else None."""
+
+    async def refresh_models(self, workers: Iterable[Worker] | None = None) -> None:
+        """Read the workers' models again now (rate-limited when ``workers`` is None)."""
 
     def subscribe(self, callback: Listener) -> None: ...
 

@@ -206,6 +206,22 @@ class EngineSample:
     ttft_count: float | None = None
 
 
+@dataclass(slots=True)
+class LoraSample:
+    """The engine's LoRA adapters at the last scrape (vLLM's ``vllm:lora_requests_info``,
+    its newest series): those running a request, those with requests waiting, and how
+    many one step may run (its GPU slots)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_lora: int
+
+    @property
+    def free_slot(self) -> bool:
+        """Room for one more adapter without evicting one in use (llm-d's reading)."""
+        return len(set(self.running) | set(self.waiting)) < self.max_lora
+
+
 class Worker:
     """Live state of one worker. Mutated only by the fleet that owns it."""
 
@@ -214,6 +230,10 @@ class Worker:
         self.id = spec.url
         self.url = spec.url
         self.models: set[str] = set(spec.models)
+        # Of ``models``, the LoRA adapters (``/v1/models`` items with a ``parent``): name ->
+        # base model.
+        self.adapters: dict[str, str] = {}
+        self.lora: LoraSample | None = None
         self.role = spec.role
         self.flavor = spec.flavor
         self.source = source
@@ -352,6 +372,8 @@ class Worker:
             "source": self.source,
             "spec": self.spec.to_dict(),
             "models": sorted(self.models),
+            "adapters": dict(sorted(self.adapters.items())),
+            "lora": None if self.lora is None else asdict(self.lora),
             "role": str(self.role),
             "flavor": self.flavor,
             "healthy": self.healthy,
