@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.types import Message, Receive, Scope, Send
 
+from switchyard.balancer.adapters import Adapters
 from switchyard.balancer.siblings import SiblingBus
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Worker
@@ -134,6 +135,7 @@ class RouterApp:
         ``siblings``: the bus to the other processes of this router (``--processes``)."""
         self.settings = settings
         self.fleet = fleet
+        self.adapters = Adapters(fleet)
         self.siblings = siblings
         self.scheduler = scheduler
         self.metrics = RouterMetrics()
@@ -677,7 +679,10 @@ class RouterApp:
         began = time.perf_counter()
         candidates = self.fleet.candidates(req.model)
         if not candidates:
-            raise self._no_candidates(req.model)
+            # A model no worker lists: read the models again, or place a registered adapter.
+            candidates = await self.adapters.resolve(req.model)
+            if not candidates:
+                raise self._no_candidates(req.model)
         if priority not in PRIORITIES:
             raise RouterError(400, f"x-priority must be one of {', '.join(PRIORITIES)}")
         ctx = Context(
@@ -687,6 +692,7 @@ class RouterApp:
             request_id=request_id.decode("latin-1"),
             priority=priority,
             explain=explain,
+            lora_name=req.model if self.fleet.parent_of(req.model) else None,
         )
         if (
             self.kv is not None

@@ -287,6 +287,8 @@ def build_control_app(router: RouterApp) -> FastAPI:
                 )
         return {"object": "list", "data": cards}
 
-    app.include_router(admin_router(router.fleet, admin_access(settings.admin_api_key)))
+    app.include_router(
+        admin_router(router.fleet, admin_access(settings.admin_api_key), router.adapters)
+    )
 
     return app

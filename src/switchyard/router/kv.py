@@ -82,12 +82,22 @@ class PrefixSource(Protocol):
         """Whether the worker's KV events reach this source (else placements are estimates)."""
 
     async def lookup(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult:
         """Matches of the whole prompt."""
 
     async def probe(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult | None:
         """Matches from a head of the prompt when that decides them, else ``None``."""
 
@@ -95,7 +105,14 @@ class PrefixSource(Protocol):
         """Record speculative entries (returns once the request may go on)."""
 
     async def place_prompt(
-        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        instance: str,
+        rank: int,
+        ttl_s: float,
+        lora: str | None = None,
     ) -> None:
         """Tokenize the whole prompt and record it as speculative entries of ``instance``."""
 
@@ -222,14 +239,24 @@ class EmbeddedPrefixes:
         return bool(worker.spec.kv_events) or self.store.expects_events(worker.id)
 
     async def lookup(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult:
         return await self.store.lookup(
-            model, candidates=candidates, lora_name=None, cache_salt=salt, **prompt
+            model, candidates=candidates, lora_name=lora, cache_salt=salt, **prompt
         )
 
     async def probe(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult | None:
         """Tokenize a long prompt only as far as some worker's match reaches, and a chat
         without a last message the router never saw (``_probe_chat``).
@@ -254,7 +281,7 @@ class EmbeddedPrefixes:
             new_chars = tok.uncached_chars(messages)
             single = len(messages) == 1 and new_chars is not None and new_chars > PROBE_CHARS
             if new_chars is not None and new_chars <= OFFLOAD_CHARS and not single:
-                return await self._probe_chat(tok, messages, salt, candidates)
+                return await self._probe_chat(tok, messages, salt, candidates, lora)
         text = tok.chat_text(messages) if messages is not None else text_prompt
         if not tok.exact or not isinstance(text, str):
             return None
@@ -264,7 +291,7 @@ class EmbeddedPrefixes:
             head = await tok.aencode_head(text, chars, prompt=messages is None)
             if head is None or len(head) < max(smallest, 1):
                 return None
-            result = await store.match_tokens(head, candidates, None, salt)
+            result = await store.match_tokens(head, candidates, lora, salt)
             if result.degraded:
                 return None
             if not any(
@@ -282,6 +309,7 @@ class EmbeddedPrefixes:
         messages: list[dict[str, Any]],
         salt: str | None,
         candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult | None:
         """Matches of a chat without a last message no engine can hold (one this router
         never saw): it is tokenized once the answer is on its way (``warm``), for the next
@@ -290,7 +318,7 @@ class EmbeddedPrefixes:
         if head is None:
             return None
         ids, left_out_chars = head
-        result = await self.store.match_tokens(ids, candidates, None, salt)
+        result = await self.store.match_tokens(ids, candidates, lora, salt)
         if result.degraded:
             return None
         result.total_tokens = len(ids) + -(-left_out_chars // CHARS_PER_TOKEN)
@@ -306,10 +334,17 @@ class EmbeddedPrefixes:
             self.siblings.publish(PLACE, packb((keys, instance, rank, ttl_s)), lazy=True)
 
     async def place_prompt(
-        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        instance: str,
+        rank: int,
+        ttl_s: float,
+        lora: str | None = None,
     ) -> None:
         tokens, _ = await self.store.tokenize(model, **prompt)
-        keys = self.store.keys_for(tokens, None, salt, self.store.block_size_of(instance))
+        keys = self.store.keys_for(tokens, lora, salt, self.store.block_size_of(instance))
         await self.place(keys, instance, rank, ttl_s)
 
     async def _on_sibling_place(self, origin: str, payload: bytes) -> None:
@@ -394,14 +429,24 @@ class RemotePrefixes:
         return bool(worker.spec.kv_events)
 
     async def lookup(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult:
         return await self.store.lookup(
-            model, candidates=candidates, lora_name=None, cache_salt=salt, **prompt
+            model, candidates=candidates, lora_name=lora, cache_salt=salt, **prompt
         )
 
     async def probe(
-        self, model: str, prompt: Prompt, salt: str | None, candidates: list[str]
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
     ) -> LookupResult | None:
         return None
 
@@ -416,9 +461,16 @@ class RemotePrefixes:
         task.add_done_callback(self._pending.discard)
 
     async def place_prompt(
-        self, model: str, prompt: Prompt, salt: str | None, instance: str, rank: int, ttl_s: float
+        self,
+        model: str,
+        prompt: Prompt,
+        salt: str | None,
+        instance: str,
+        rank: int,
+        ttl_s: float,
+        lora: str | None = None,
     ) -> None:
-        result = await self.lookup(model, prompt, salt, [instance])
+        result = await self.lookup(model, prompt, salt, [instance], lora)
         await self.place(result.keys_for(instance), instance, rank, ttl_s)
 
     async def occupancy(self) -> dict[str, int]:
@@ -523,11 +575,15 @@ class KVAwareness:
             return
         salt = data.get("cache_salt") if isinstance(data.get("cache_salt"), str) else None
         ids = [w.id for w in candidates]
-        result = await self.source.probe(req.model, prompt, salt, ids)
+        # An adapter's blocks are keyed with its name (as the engine hashes them), and its
+        # prompt tokenized as its base model's.
+        lora = ctx.lora_name
+        model = (self.fleet.parent_of(lora) or req.model) if lora else req.model
+        result = await self.source.probe(model, prompt, salt, ids, lora)
         if result is not None:
-            ctx.deferred_keys = (req.model, prompt, salt)
+            ctx.deferred_keys = (model, prompt, salt, lora)
         else:
-            result = await self.source.lookup(req.model, prompt, salt, ids)
+            result = await self.source.lookup(model, prompt, salt, ids, lora)
             if result.degraded:
                 self.degraded.inc()
         ctx.set_prefix(result)
@@ -611,11 +667,11 @@ class KVAwareness:
         deferred, ctx.deferred_keys = ctx.deferred_keys, None
         if deferred is None:
             return
-        model, prompt, salt = deferred
+        model, prompt, salt, lora = deferred
         if self.estimating(worker):
             self._spawn(
                 self.source.place_prompt(
-                    model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s
+                    model, prompt, salt, worker.id, rank or 0, self.speculative_ttl_s, lora
                 )
             )
         elif len(prompt.get("messages") or ()) > 1:

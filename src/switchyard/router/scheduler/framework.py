@@ -41,6 +41,8 @@ class Context:
 
     model: str | None
     session_key: str | None = None
+    # The LoRA adapter the request names as its model (a worker lists it with a parent).
+    lora_name: str | None = None
     prompt_tokens: int = 0
     request_id: str = ""
     priority: str = "normal"
@@ -49,8 +51,9 @@ class Context:
     matched_rank: dict[str, int] = field(default_factory=dict)
     cached_blocks: dict[str, int] = field(default_factory=dict)
     reason: str = ""
-    # (model, prompt-or-messages kwargs, cache salt) when full tokenization was deferred.
-    deferred_keys: tuple[str, dict[str, Any], str | None] | None = None
+    # (model, prompt-or-messages kwargs, cache salt, LoRA name) when full tokenization was
+    # deferred.
+    deferred_keys: tuple[str, dict[str, Any], str | None, str | None] | None = None
     # The answer's last bytes (where an engine's usage is) and the tokens the relay counted.
     tail: bytes = b""
     generated: int = 0
@@ -88,8 +91,9 @@ class Scorer(Protocol):
     name: str
     uses_prefix: bool
 
-    def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
-        """One value in [0, 1] per worker, higher is better."""
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float] | None:
+        """One value in [0, 1] per worker, higher is better; None abstains (the request
+        gives this scorer nothing to tell the workers apart by)."""
 
 
 class Picker(Protocol):
@@ -141,8 +145,12 @@ class Scheduler:
         total = [0.0] * len(workers)
         weight_sum = 0.0
         for scorer, weight in self.scorers:
-            weight_sum += weight
             values = scorer.score(ctx, workers)
+            if values is None:
+                # An abstaining scorer adds no weight: a constant would only compress the
+                # others' differences, and a relative tie tolerance with them.
+                continue
+            weight_sum += weight
             if ctx.explain is not None:
                 ctx.explain.scores[scorer.name] = values
             total = [t + weight * v for t, v in zip(total, values, strict=True)]

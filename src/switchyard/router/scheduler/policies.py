@@ -38,6 +38,7 @@ from switchyard.router.scheduler.scorers import (
     InflightScorer,
     KVAwareScorer,
     KVPressureScorer,
+    LoraAffinityScorer,
     PrefixCacheScorer,
     QueueScorer,
     SessionAffinityScorer,
@@ -65,6 +66,7 @@ SCORERS: dict[str, Plugin[Scorer]] = {
     "kv_pressure": Plugin(NoParams, lambda p, bs: KVPressureScorer()),
     "queue": Plugin(NoParams, lambda p, bs: QueueScorer()),
     "session_affinity": Plugin(NoParams, lambda p, bs: SessionAffinityScorer()),
+    "lora_affinity": Plugin(LoraAffinityScorer.Params, lambda p, bs: LoraAffinityScorer(p)),
 }
 
 PICKERS: dict[str, Plugin[Picker]] = {
@@ -98,7 +100,11 @@ NAMED: dict[str, NamedPolicy] = {
     "consistent_hash": NamedPolicy({"load": 1.0}, "consistent_hash"),
     "cache_aware": NamedPolicy({}, "cache_aware"),
     # kv_aware's costs are estimates: within 2% is a tie, rotated rather than decided by noise.
-    "kv_aware": NamedPolicy({"kv_aware": 1.0}, "max_score", True, {"tie_tolerance": 0.02}),
+    # Adapter affinity weighs as much as the cost (it abstains on a base-model request): the
+    # cost already keys an adapter's cached prefix with its name; affinity spares a slot swap.
+    "kv_aware": NamedPolicy(
+        {"kv_aware": 1.0, "lora_affinity": 1.0}, "max_score", True, {"tie_tolerance": 0.02}
+    ),
 }
 
 # Options of the policy itself rather than of one component.

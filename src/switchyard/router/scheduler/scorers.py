@@ -161,6 +161,49 @@ class QueueScorer:
         return [1.0 - q / top for q in waiting]
 
 
+class LoraAffinityScorer:
+    """Where the request's LoRA adapter is cheapest to run, from the engines' own
+    ``vllm:lora_requests_info`` (llm-d's values): running it already, then a free slot (it
+    loads without evicting an adapter in use), then queued there (it is loaded when its
+    turn comes), last a worker whose slots are all taken by other adapters. Only workers
+    that list the adapter are candidates; one whose metrics say nothing of LoRA yet counts
+    as a free slot. A base-model request abstains, so it changes no other score."""
+
+    name = "lora_affinity"
+    uses_prefix = False
+
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid", frozen=True)
+
+        running: float = Field(default=1.0, ge=0, le=1, description="the adapter runs there")
+        free_slot: float = Field(default=0.8, ge=0, le=1, description="a slot is free")
+        waiting: float = Field(default=0.6, ge=0, le=1, description="the adapter waits there")
+        busy: float = Field(default=0.0, ge=0, le=1, description="every slot holds another")
+
+    def __init__(self, params: Params | None = None) -> None:
+        self.p = params or self.Params()
+
+    def score(self, ctx: Context, workers: list[Worker]) -> list[float] | None:
+        name = ctx.lora_name
+        if name is None:
+            return None
+        p = self.p
+        out = []
+        for w in workers:
+            lora = w.lora
+            if lora is None:
+                out.append(p.free_slot)
+            elif name in lora.running:
+                out.append(p.running)
+            elif lora.free_slot:
+                out.append(p.free_slot)
+            elif name in lora.waiting:
+                out.append(p.waiting)
+            else:
+                out.append(p.busy)
+        return out
+
+
 class SessionAffinityScorer:
     """1.0 for the session's home worker (the shared session ranking), 0 elsewhere."""
 
