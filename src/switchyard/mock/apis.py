@@ -127,16 +127,19 @@ def anthropic_chat_request(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def anthropic_usage(usage: dict[str, Any] | None) -> dict[str, Any]:
-    """vLLM's ``_build_anthropic_usage``: input tokens exclude the cached ones."""
+def anthropic_usage(usage: dict[str, Any] | None, details: bool = True) -> dict[str, Any]:
+    """vLLM's ``_build_anthropic_usage``: input tokens exclude the cached ones and those
+    written to the cache (which the mock's chat usage does not count: 0). ``details``:
+    the chat usage carried prompt token details (a stream's first chunk does not)."""
     if not usage:
         return {"input_tokens": 0, "output_tokens": 0}
     prompt = usage.get("prompt_tokens") or 0
     out: dict[str, Any] = {"output_tokens": usage.get("completion_tokens") or 0}
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        out["cache_read_input_tokens"] = details["cached_tokens"]
-        prompt -= details["cached_tokens"]
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if details and cached is not None:
+        out["cache_read_input_tokens"] = cached
+        out["cache_creation_input_tokens"] = 0
+        prompt -= cached
     return {"input_tokens": max(0, prompt), **out}
 
 
@@ -224,7 +227,7 @@ class AnthropicAnswer:
                 "model": chunk["model"],
                 "stop_reason": None,
                 "stop_sequence": None,
-                "usage": anthropic_usage(chunk.get("usage")),
+                "usage": anthropic_usage(chunk.get("usage"), details=False),
             }
             return _event("message_start", {"type": "message_start", "message": message})
         choices = chunk.get("choices") or []
@@ -433,13 +436,17 @@ class ResponsesAnswer:
         """vLLM's ``ResponsesResponse.from_request`` as it dumps it."""
         r = self.request
         return {
-            "id": self.id,
+            "background": r.get("background", False),
             "created_at": self.created,
+            "ec_transfer_params": None,
+            "frequency_penalty": r.get("frequency_penalty"),
+            "id": self.id,
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete"
             else None,
+            "input_messages": None,
             "instructions": r.get("instructions"),
-            "metadata": r.get("metadata"),
+            "kv_transfer_params": None,
             "model": model,
             "object": "response",
             "output": output,
@@ -448,9 +455,11 @@ class ResponsesAnswer:
             "tool_choice": r.get("tool_choice", "auto"),
             "tools": r.get("tools", []),
             "top_p": r.get("top_p", 1.0),
-            "background": r.get("background", False),
             "max_output_tokens": r.get("max_output_tokens"),
             "max_tool_calls": r.get("max_tool_calls"),
+            "metadata": r.get("metadata"),
+            "output_messages": None,
+            "presence_penalty": r.get("presence_penalty"),
             "previous_response_id": r.get("previous_response_id"),
             "prompt": None,
             "reasoning": None,
@@ -468,14 +477,16 @@ class ResponsesAnswer:
         return {
             "id": self.item_id,
             "content": content,
+            "phase": None,
             "role": "assistant",
             "status": status,
             "type": "message",
         }
 
     @staticmethod
-    def _part(text: str) -> dict[str, Any]:
-        return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+    def _part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+        """An output text part; vLLM's opening part has an empty list of logprobs."""
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
 
     @staticmethod
     def _usage(usage: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -484,9 +495,19 @@ class ResponsesAnswer:
         details = usage.get("prompt_tokens_details") or {}
         return {
             "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": details.get("cached_tokens") or 0},
+            "input_tokens_details": {
+                "cached_tokens": details.get("cached_tokens") or 0,
+                "cache_write_tokens": 0,  # not counted by the mock's chat usage
+                "input_tokens_per_turn": [],
+                "cached_tokens_per_turn": [],
+            },
             "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": 0,
+                "tool_output_tokens": 0,
+                "output_tokens_per_turn": [],
+                "tool_output_tokens_per_turn": [],
+            },
             "total_tokens": usage["total_tokens"],
         }
 
@@ -592,7 +613,7 @@ class ResponsesAnswer:
                     "content_index": 0,
                     "item_id": self.item_id,
                     "output_index": 0,
-                    "part": self._part(""),
+                    "part": self._part("", []),
                 },
             )
         self.text.append(delta)
