@@ -478,3 +478,51 @@ async def test_models_lists_only_aliases_whose_model_is_served() -> None:
 
 def _unused(_: httpx.Response) -> None:
     """Keeps httpx imported for the annotations above."""
+
+
+# ---- the answer filter and usage, piece by piece ----------------------------------------
+
+
+async def test_a_served_name_cut_between_two_pieces_is_still_renamed() -> None:
+    from switchyard.router.apis import AnswerFilter, renaming
+
+    sent: list[bytes] = []
+    written: list[bytes] = []
+
+    class Client:
+        async def __call__(self, message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                sent.append(message["body"])
+
+        def stream_writer(self) -> Any:
+            return lambda piece: written.append(piece)
+
+    answer = AnswerFilter(Client(), "/v1/chat/completions", renaming("served-model", "pub"), None)
+    head = [(b"content-type", b"text/event-stream")]
+    await answer({"type": "http.response.start", "status": 200, "headers": head})
+    await answer({"type": "http.response.body", "body": b'data: {"model":"ser', "more_body": True})
+    write = answer.stream_writer()
+    assert write is not None
+    write(b'ved-model","x":1}\n\ndata: {"model":"served-model"}\n\ndata: {"mod')
+    write(b'el":"served-model"}\n\n')
+    await answer({"type": "http.response.body", "body": b""})
+    stream = b"".join(sent[:1] + written + sent[1:])
+    assert stream == (
+        b'data: {"model":"pub","x":1}\n\ndata: {"model":"pub"}\n\ndata: {"model":"pub"}\n\n'
+    )
+
+
+def test_usage_is_read_in_the_anthropic_and_responses_shapes() -> None:
+    from switchyard.router.kv import usage_tokens
+
+    anthropic_usage = (
+        b'"usage":{"input_tokens":28,"output_tokens":4,'
+        b'"cache_read_input_tokens":768,"cache_creation_input_tokens":0}'
+    )
+    responses_usage = b'"usage":{"input_tokens":796,"input_tokens_details":{"cached_tokens":768}}'
+    assert usage_tokens(anthropic_usage) == (796, 768)
+    assert usage_tokens(responses_usage) == (796, 768)
+    assert usage_tokens(
+        b'"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}'
+    ) == (9, 0)
+    assert usage_tokens(b'data: {"choices":[]}') is None

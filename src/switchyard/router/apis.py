@@ -86,7 +86,7 @@ class AnswerFilter:
     naming an alias. The head waits for the first body bytes (it goes out with them
     anyway), so a body whose length changes gets its new content-length."""
 
-    __slots__ = ("inner", "route", "rename", "on_id", "_start", "_want_id", "_worker")
+    __slots__ = ("inner", "route", "rename", "on_id", "_start", "_want_id", "_worker", "_held")
 
     def __init__(
         self,
@@ -105,6 +105,7 @@ class AnswerFilter:
         self._start: Message | None = None
         self._want_id = on_id is not None
         self._worker = ""
+        self._held = b""  # a streamed piece's end that may begin the served model's member
 
     def stream_writer(self) -> PieceWriter | None:
         """The server's writer of streamed pieces, renaming and looking for the id too."""
@@ -118,7 +119,7 @@ class AnswerFilter:
             if self._want_id:
                 self._find_id(chunk)
             if rename is not None:
-                chunk = chunk.replace(*rename)
+                chunk = self._renamed(chunk, True)
             return write(chunk)
 
         return filtered  # type: ignore[return-value]  # same call, same result
@@ -149,13 +150,29 @@ class AnswerFilter:
                 self._want_id = False
         elif self._want_id:
             self._find_id(body)
-        if self.rename is not None and body:
-            body = body.replace(*self.rename)
+        if self.rename is not None and (body or self._held):
+            body = self._renamed(body, more)
         if start is not None:
             if not more:
                 start = _with_length(start, len(body))
             await self.inner(start)
         await self.inner({"type": "http.response.body", "body": body, "more_body": more})
+
+    def _renamed(self, piece: bytes, more: bool) -> bytes:
+        """``piece`` renamed, less a tail that may begin the served model's member, which
+        waits for the next piece: a stream's pieces are cut where the reads fell."""
+        assert self.rename is not None
+        old, new = self.rename
+        data = (self._held + piece).replace(old, new)
+        self._held = b""
+        if more:
+            i = data.find(b'"', max(0, len(data) - len(old) + 1))
+            while i != -1:
+                if old.startswith(data[i:]):
+                    self._held = data[i:]
+                    return data[:i]
+                i = data.find(b'"', i + 1)
+        return data
 
     def _no_route(self) -> bytes:
         message = f"Worker {self._worker} does not serve {self.route}"

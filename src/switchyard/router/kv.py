@@ -58,9 +58,29 @@ def usage_tokens(body: bytes) -> tuple[int, int] | None:
     """(prompt_tokens, cached_tokens) from a response body or the tail of a stream."""
     prompts = _PROMPT.findall(body)
     if not prompts:
-        return None
+        return _api_usage_tokens(body) if b'"input_tokens"' in body else None
     cached = _CACHED.findall(body)
     return int(prompts[-1]), int(cached[-1]) if cached else 0
+
+
+_INPUT = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
+_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
+_CACHE_WRITTEN = re.compile(rb'"cache_creation_input_tokens"\s*:\s*(\d+)')
+
+
+def _api_usage_tokens(body: bytes) -> tuple[int, int] | None:
+    """Usage in Anthropic's shape (input tokens leave out those read from and written to
+    the cache) or the Responses shape (input tokens are the whole prompt)."""
+    inputs = _INPUT.findall(body)
+    if not inputs:
+        return None
+    read = _CACHE_READ.findall(body)
+    if read:
+        written = _CACHE_WRITTEN.findall(body)
+        prompt = int(inputs[-1]) + int(read[-1]) + (int(written[-1]) if written else 0)
+        return prompt, int(read[-1])
+    cached = _CACHED.findall(body)
+    return int(inputs[-1]), int(cached[-1]) if cached else 0
 
 
 Prompt = dict[str, Any]  # {"messages": [...]} or {"prompt": "..."}
