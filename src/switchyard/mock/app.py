@@ -4,7 +4,8 @@ No framework and no per-request models, so it is never a benchmark's bottleneck.
 module owns the routes and the small endpoints; the rest lives beside it: request
 parsing (``request``), rank and P/D planning (``planning``), the E/P/D encoder
 (``epd``), fault injection (``faults``), the stream loop (``stream``), SGLang's
-bootstrap port (``bootstrap``) and the ASGI plumbing (``asgi``).
+bootstrap port (``bootstrap``), Anthropic Messages and OpenAI Responses over the chat path
+(``apis``) and the ASGI plumbing (``asgi``).
 """
 
 from __future__ import annotations
