@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
-import httpx
 import openai
 import orjson
 import pytest
@@ -20,7 +20,7 @@ from switchyard.mock.serve import build
 from switchyard.mock.settings import MockSettings
 from tests.router.inprocess import BASE_URL, InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend, StubReply, StubRequest
-from tests.support import TOKENIZER_DIR, free_port
+from tests.support import TOKENIZER_DIR, eventually_async, free_port
 
 pytestmark = pytest.mark.timeout(60)
 # Newer releases of the Anthropic SDK speak through ``httpx2``, older ones through ``httpx``.
@@ -476,10 +476,6 @@ async def test_models_lists_only_aliases_whose_model_is_served() -> None:
     assert [card["id"] for card in listed.json()["data"]] == [MODEL, "x"]
 
 
-def _unused(_: httpx.Response) -> None:
-    """Keeps httpx imported for the annotations above."""
-
-
 # ---- the answer filter and usage, piece by piece ----------------------------------------
 
 
@@ -526,3 +522,24 @@ def test_usage_is_read_in_the_anthropic_and_responses_shapes() -> None:
         b'"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}'
     ) == (9, 0)
     assert usage_tokens(b'data: {"choices":[]}') is None
+
+
+async def test_a_response_id_reaches_the_routers_other_processes(tmp_path: Path) -> None:
+    from switchyard.balancer.siblings import SiblingBus
+    from switchyard.router.apis import ResponseHolders
+
+    buses = [SiblingBus(tmp_path, rescan_s=0.05) for _ in range(2)]
+    holders = [ResponseHolders(limit=2, siblings=bus) for bus in buses]
+    for bus in buses:
+        await bus.start()
+    try:
+        await eventually_async(lambda: all(bus.peers == 1 for bus in buses))
+        holders[0].remember("resp_1", "http://a")
+        assert await eventually_async(lambda: holders[1].holder("resp_1"), 3, 0.02)
+        for n in (2, 3):
+            holders[1].remember(f"resp_{n}", "http://b")
+        assert holders[1].holder("resp_1") is None  # the oldest of three, past the limit
+        assert holders[1].holder("resp_3") == "http://b"
+    finally:
+        for bus in buses:
+            await bus.stop()
