@@ -84,12 +84,13 @@ def _text_blocks(content: Any, where: str) -> list[str]:
     return texts
 
 
-def anthropic_chat_request(data: dict[str, Any]) -> dict[str, Any]:
-    """The chat request vLLM makes of a Messages request (text blocks only)."""
+def anthropic_chat_request(data: dict[str, Any], counting: bool = False) -> dict[str, Any]:
+    """The chat request vLLM makes of a Messages request (text blocks only); ``counting``:
+    of a count_tokens request, which has no ``max_tokens``."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ClientError(400, "messages must be a non-empty list", "messages")
-    max_tokens = data.get("max_tokens")
+    max_tokens = data.get("max_tokens", 1 if counting else None)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise ClientError(400, "max_tokens: Field required", "max_tokens")
     chat: list[dict[str, Any]] = []
@@ -275,12 +276,24 @@ async def messages(scope: Scope, receive: Receive, send: Send, generate: Generat
     try:
         chat = anthropic_chat_request(await json_body(receive))
     except ClientError as exc:
-        body = orjson.dumps(
-            {"type": "error", "error": {"type": "BadRequestError", "message": str(exc)}}
-        )
-        await respond(send, exc.status, body)
+        await respond(send, exc.status, anthropic_client_error(exc))
         return
     await generate(scope, _replay(orjson.dumps(chat), receive), AnthropicAnswer(send))
+
+
+def count_tokens(data: dict[str, Any], count: Callable[[list[dict[str, Any]]], int]) -> bytes:
+    """``POST /v1/messages/count_tokens``: the prompt's tokens as the chat template renders
+    it (``count``: the engine's chat tokenizer)."""
+    tokens = count(anthropic_chat_request(data, counting=True)["messages"])
+    return orjson.dumps(
+        {"input_tokens": tokens, "context_management": {"original_input_tokens": tokens}}
+    )
+
+
+def anthropic_client_error(exc: ClientError) -> bytes:
+    return orjson.dumps(
+        {"type": "error", "error": {"type": "BadRequestError", "message": str(exc)}}
+    )
 
 
 # ---- OpenAI Responses ------------------------------------------------------------------

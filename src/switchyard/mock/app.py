@@ -144,6 +144,7 @@ class EngineServer:
             # vLLM's Anthropic and Responses routes, each answered over the chat path.
             self.responses = apis.Responses(self.chat_completions)
             self.routes[("POST", "/v1/messages")] = self.messages
+            self.routes[("POST", "/v1/messages/count_tokens")] = self.count_tokens
             self.routes[("POST", "/v1/responses")] = self.responses.create
             if settings.lora_enabled and runtime_updating_allowed(settings.runtime_lora_updating):
                 self.routes[("POST", "/v1/load_lora_adapter")] = self.load_lora_adapter
@@ -430,6 +431,19 @@ class EngineServer:
 
     async def messages(self, scope: Scope, receive: Receive, send: Send) -> None:
         await apis.messages(scope, receive, send, self.chat_completions)
+
+    async def count_tokens(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            data = await json_body(receive)
+            model = data.get("model")
+            if model != self.s.model and model not in self.adapters.known:
+                raise ClientError(404, f"The model `{model}` does not exist.", "model")
+            body = apis.count_tokens(data, lambda chat: len(self.tok.tokenize_chat(chat)))
+        except (ClientError, TemplateError) as exc:
+            error = exc if isinstance(exc, ClientError) else ClientError(400, str(exc))
+            await respond(send, error.status, apis.anthropic_client_error(error))
+            return
+        await respond(send, 200, body)
 
     async def _generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
         raw_rid = header(scope, b"x-request-id")
