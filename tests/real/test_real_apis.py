@@ -88,6 +88,12 @@ def test_anthropic_sdk_message_and_stream(router: Server) -> None:
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
     assert "message_delta" in kinds
     assert final.usage.output_tokens <= 6
+    counted = client.messages.count_tokens(
+        model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "Name a river."}]
+    )
+    assert counted.input_tokens == message.usage.input_tokens + (
+        message.usage.cache_read_input_tokens or 0
+    ) + (message.usage.cache_creation_input_tokens or 0)
     print(f"\nmessages: events {sorted(set(kinds))}, usage {final.usage}")
 
 
@@ -230,6 +236,10 @@ async def shapes(client: httpx.AsyncClient) -> dict[str, object]:
         for event, keys in events:
             seen.setdefault(event, keys)
         out[name + " stream"] = list(seen.items())
+    counted = await client.post(
+        "/v1/messages/count_tokens", json={k: v for k, v in MESSAGE.items() if k != "max_tokens"}
+    )
+    out["count_tokens"] = keys_of(counted.json())
     missing = await client.get("/v1/responses/resp_missing", timeout=30)
     out["responses missing"] = (missing.status_code, keys_of(missing.json()))
     return out

@@ -178,6 +178,22 @@ async def test_a_conversations_next_turn_goes_to_the_engine_that_holds_its_prefi
             assert usage.cache_read_input_tokens > 500
 
 
+async def test_count_tokens_is_relayed_and_counts_the_rendered_prompt() -> None:
+    async with router_over_mocks(1, api_key="k1") as router:
+        client = anthropic_client(router, key="k1")
+        short = await client.messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}]
+        )
+        long = await client.messages.count_tokens(
+            model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": "Hi"}]
+        )
+        with pytest.raises(anthropic.NotFoundError):
+            await client.messages.count_tokens(
+                model="nope", messages=[{"role": "user", "content": "Hi"}]
+            )
+    assert 0 < short.input_tokens < 50 < long.input_tokens
+
+
 async def test_x_api_key_is_accepted_as_well_as_a_bearer_key() -> None:
     async with router_over_mocks(1, api_key="team:k1") as router:
         ok = await router.post(

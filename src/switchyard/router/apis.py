@@ -23,7 +23,7 @@ from switchyard.core.packing import packb
 from switchyard.net.httpclient import PieceWriter
 from switchyard.router.errors import RouterError, anthropic_error_body
 from switchyard.router.forward import WORKER_HEADER
-from switchyard.router.request import MESSAGES
+from switchyard.router.request import ANTHROPIC_ROUTES
 
 if TYPE_CHECKING:
     from switchyard.balancer.siblings import SiblingBus
@@ -176,7 +176,7 @@ class AnswerFilter:
 
     def _no_route(self) -> bytes:
         message = f"Worker {self._worker} does not serve {self.route}"
-        if self.route == MESSAGES:
+        if self.route in ANTHROPIC_ROUTES:
             return anthropic_error_body(404, message)
         return RouterError(404, message, code="route_not_served").body()
 

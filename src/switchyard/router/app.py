@@ -56,10 +56,10 @@ from switchyard.router.metrics import (
 from switchyard.router.pd.orchestrator import build_orchestrator
 from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from switchyard.router.request import (
+    ANTHROPIC_ROUTES,
     API_ROUTES,
     DATA_ROUTES,
     DETOKENIZE,
-    MESSAGES,
     RESPONSES,
     TOKENIZE,
     RoutedRequest,
@@ -410,7 +410,7 @@ class RouterApp:
                     code="headers_too_large",
                 )
             tenant = self.api_key.tenant(auth)
-            if tenant is None and api and auth is None and route == MESSAGES:
+            if tenant is None and api and auth is None and route in ANTHROPIC_ROUTES:
                 tenant = self.api_key.tenant_of_key(_header(scope, b"x-api-key"))
             if tenant is None:
                 raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
@@ -796,7 +796,7 @@ class RouterApp:
         """``exc`` in the shape of ``route``'s API: Anthropic's on the Messages route."""
         if response.client_gone:
             return
-        anthropic = route == MESSAGES
+        anthropic = route in ANTHROPIC_ROUTES
         body = exc.anthropic_body() if anthropic else exc.body()
         if response.started:
             if not response.finished:

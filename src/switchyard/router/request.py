@@ -19,13 +19,16 @@ CHAT = "/v1/chat/completions"
 EMBEDDINGS = "/v1/embeddings"
 DATA_ROUTES = (COMPLETIONS, CHAT, EMBEDDINGS)
 MESSAGES = "/v1/messages"  # Anthropic Messages
+COUNT_TOKENS = "/v1/messages/count_tokens"  # Anthropic's, served by vLLM
+# The routes whose clients speak Anthropic's API: its key header and its error shape.
+ANTHROPIC_ROUTES = frozenset({MESSAGES, COUNT_TOKENS})
 RESPONSES = "/v1/responses"  # OpenAI Responses
 RERANK = "/v1/rerank"
 SCORE = "/v1/score"
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
 # Relayed as they are, to a worker of their model chosen by load (no prompt to match).
-PASS_THROUGH = (RERANK, SCORE, TOKENIZE, DETOKENIZE)
+PASS_THROUGH = (RERANK, SCORE, TOKENIZE, DETOKENIZE, COUNT_TOKENS)
 # The routes beside the three OpenAI ones: each request goes through ``app.RouterApp``'s
 # adapter (its error shape, what its answer tells), which the three never pay for.
 API_ROUTES = (MESSAGES, RESPONSES, *PASS_THROUGH)

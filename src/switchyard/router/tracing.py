@@ -59,6 +59,7 @@ _OPERATIONS = {
     "/v1/completions": "text_completion",
     "/v1/embeddings": "embeddings",
     "/v1/messages": "chat",
+    "/v1/messages/count_tokens": "count_tokens",
     "/v1/responses": "chat",
     "/v1/rerank": "rerank",
     "/v1/score": "score",
