@@ -161,6 +161,8 @@ def test_fairness_bench_counts_a_request_neither_answered_nor_refused_as_lost() 
 
 
 def test_fairness_bench_capacity_scales_with_engines_and_speed() -> None:
-    one = prefill_capacity(1, 1.0)
+    one = prefill_capacity(1, 1.0, 8192)
     assert 40_000 < one < 70_000  # an 8B model's prefill on one H100, tokens a second
-    assert prefill_capacity(4, 0.25) == pytest.approx(one)
+    assert prefill_capacity(4, 0.25, 8192) == pytest.approx(one)
+    # smaller steps pay the fixed per-step cost more often
+    assert prefill_capacity(1, 1.0, 2048) < one
