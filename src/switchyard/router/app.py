@@ -15,7 +15,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import orjson
@@ -130,14 +130,17 @@ class RouterApp:
         kvstore: KVStore | RemoteKVStore | None = None,
         clock: Callable[[], float] = time.monotonic,
         siblings: SiblingBus | None = None,
+        model_schedulers: Mapping[str, Scheduler] | None = None,
     ) -> None:
         """``clock`` dates the router's snapshots (a simulator passes its virtual clock).
-        ``siblings``: the bus to the other processes of this router (``--processes``)."""
+        ``siblings``: the bus to the other processes of this router (``--processes``).
+        ``model_schedulers``: the models routed by a policy other than ``scheduler``'s."""
         self.settings = settings
         self.fleet = fleet
         self.adapters = Adapters(fleet)
         self.siblings = siblings
         self.scheduler = scheduler
+        self.model_schedulers = dict(model_schedulers or {})
         self.metrics = RouterMetrics()
         self.kv = (
             KVAwareness(
@@ -665,7 +668,7 @@ class RouterApp:
         with tracing.span("schedule") as span:
             explain = Explanation()
             ctx, ranked = await self._schedule(req, request_id, priority, slo_header, explain)
-            tracing.describe_schedule(span, self.scheduler.policy, ctx, ranked)
+            tracing.describe_schedule(span, self.scheduler_for(req.model).policy, ctx, ranked)
             return ctx, ranked
 
     async def _schedule(
@@ -694,25 +697,31 @@ class RouterApp:
             explain=explain,
             lora_name=req.model if self.fleet.parent_of(req.model) else None,
         )
+        scheduler = self.scheduler_for(req.model)
         if (
             self.kv is not None
-            and self.scheduler.needs_prefix
+            and scheduler.needs_prefix
             and ctx.prompt_tokens <= self.settings.kv.max_prompt_tokens
         ):
             await self.kv.annotate(ctx, req, candidates)
-        ranked = self.scheduler.schedule(ctx, candidates)
+        ranked = scheduler.schedule(ctx, candidates)
         if not ranked:
             raise self._unavailable("No worker can take this request now")
-        self._count_decision(ctx, ranked[0])
+        self._count_decision(ctx, ranked[0], scheduler.policy)
         objective = self.admission.objective_s(ctx, slo_header)
         if objective is not None:
             await self.admission.admit(ctx, ranked, objective, req.stream)
         self.metrics.child(self.metrics.schedule, req.turn).observe(time.perf_counter() - began)
         return ctx, ranked
 
-    def _count_decision(self, ctx: Context, first: Worker) -> None:
+    def scheduler_for(self, model: str) -> Scheduler:
+        """The scheduler of ``model``: its own policy's, else the router's."""
+        if self.model_schedulers:
+            return self.model_schedulers.get(model, self.scheduler)
+        return self.scheduler
+
+    def _count_decision(self, ctx: Context, first: Worker, policy: str) -> None:
         m = self.metrics
-        policy = self.scheduler.policy
         m.child(m.decisions, policy, first.id).inc()
         reason = ctx.reason or ("prefix" if ctx.matched.get(first.id, 0.0) > 0 else "load")
         m.child(m.decision_reasons, policy, reason).inc()

@@ -13,6 +13,7 @@ from switchyard.router.settings import RouterSettings
 ALIASES = {
     "workers": ["--worker", "-w"],
     "model_aliases": ["--model-alias"],
+    "model_policies": ["--model-policy"],
     "redis_url": ["--redis", "--redis-url"],
     "pd.prefill": ["--prefill"],
     "pd.decode": ["--decode"],

@@ -37,6 +37,7 @@ from switchyard.router.app import RouterApp
 from switchyard.router.connections import ClientConnection, ConnectionLimits
 from switchyard.router.mainloop import install, request_exit
 from switchyard.router.metrics import METRICS_DIR_ENV, write_metrics_behind
+from switchyard.router.scheduler.framework import Scheduler
 from switchyard.router.scheduler.policies import build_scheduler
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tracing import JsonFormatter
@@ -108,9 +109,26 @@ def build_app(
     scheduler = build_scheduler(
         settings.policy, settings.policy_options, block_size=settings.kv.block_size
     )
+    per_model = model_schedulers(settings)
     fleet = build_fleet(settings, config_file, siblings)
-    kvstore = build_kvstore(settings, config_file, scheduler.needs_prefix)
-    return RouterApp(settings, fleet, scheduler, kvstore, siblings=siblings)
+    needs_prefix = scheduler.needs_prefix or any(s.needs_prefix for s in per_model.values())
+    kvstore = build_kvstore(settings, config_file, needs_prefix)
+    return RouterApp(
+        settings, fleet, scheduler, kvstore, siblings=siblings, model_schedulers=per_model
+    )
+
+
+def model_schedulers(settings: RouterSettings) -> dict[str, Scheduler]:
+    """The schedulers of the models with a policy of their own (``model_policies``)."""
+    out = {}
+    for model, policy in settings.policies.items():
+        try:
+            out[model] = build_scheduler(
+                policy, settings.policy_options, block_size=settings.kv.block_size
+            )
+        except ValueError as exc:
+            raise ValueError(f"--model-policy {model}={policy}: {exc}") from None
+    return out
 
 
 def preflight(settings: RouterSettings, config_file: str | Path | None = None) -> None:
@@ -124,6 +142,7 @@ def preflight(settings: RouterSettings, config_file: str | Path | None = None) -
         if balancer.kubernetes and (missing := missing_client()) is not None:
             raise ValueError(missing)
     build_scheduler(settings.policy, settings.policy_options, block_size=settings.kv.block_size)
+    model_schedulers(settings)
     pd = settings.pd
     pools = {"prefill": pd.prefill_policy, "decode": pd.decode_policy, "encode": pd.encode_policy}
     for pool, policy in pools.items():

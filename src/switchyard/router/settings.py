@@ -480,6 +480,7 @@ class RouterSettings(ServiceSettings):
             "policy",
             "policy_options",
             "model_aliases",
+            "model_policies",
             "tokenizer",
             "kvstore",
             "balancer",
@@ -530,6 +531,11 @@ class RouterSettings(ServiceSettings):
         description="PUBLIC=SERVED: clients name the model PUBLIC, workers serving SERVED "
         "answer (bodies' model rewritten both ways; /v1/models lists PUBLIC), repeatable; "
         "in YAML also a mapping",
+    )
+    model_policies: list[str] = Field(
+        default_factory=list,
+        description="MODEL=POLICY: a model routed by a policy of its own (with the "
+        "policy_options), repeatable; in YAML also a mapping",
     )
     tokenizer: str | None = Field(
         default=None, description="HF tokenizer dir (tokenizer.json + chat template)"
@@ -615,6 +621,32 @@ class RouterSettings(ServiceSettings):
                 raise ValueError(f"--model-alias: {public.strip()!r} is aliased twice")
             seen.add(public.strip())
         return value
+
+    @field_validator("model_policies", mode="before")
+    @classmethod
+    def _policy_mapping(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return [f"{model}={policy}" for model, policy in value.items()]
+        return value
+
+    @field_validator("model_policies")
+    @classmethod
+    def _policy_pairs(cls, value: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for pair in value:
+            model, eq, policy = pair.partition("=")
+            if not eq or not model.strip() or not policy.strip():
+                raise ValueError(f"--model-policy {pair!r}: expected MODEL=POLICY")
+            if model.strip() in seen:
+                raise ValueError(f"--model-policy: {model.strip()!r} is given twice")
+            seen.add(model.strip())
+        return value
+
+    @property
+    def policies(self) -> dict[str, str]:
+        """``model_policies`` as model -> policy name."""
+        pairs = (pair.partition("=") for pair in self.model_policies)
+        return {model.strip(): policy.strip() for model, _, policy in pairs}
 
     @property
     def aliases(self) -> dict[str, str]:
