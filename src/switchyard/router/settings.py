@@ -470,6 +470,20 @@ MOVED = {
 }
 
 
+def _pairs(items: list[str], flag: str, form: str, twice: str) -> dict[str, str]:
+    """``KEY=VALUE`` items as a mapping; ``ValueError`` naming ``flag`` for a malformed item
+    or a key ``twice`` (one parser for every such list, so they refuse alike)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or not key or not value:
+            raise ValueError(f"{flag} {item!r}: expected {form}")
+        if key in out:
+            raise ValueError(f"{flag}: {key!r} is {twice} twice")
+        out[key] = value
+    return out
+
+
 class RouterSettings(ServiceSettings):
     section = "router"
     moved = MOVED
@@ -600,59 +614,36 @@ class RouterSettings(ServiceSettings):
         tenant_keys(value)
         return value
 
-    @field_validator("model_aliases", mode="before")
+    @field_validator("model_aliases", "model_policies", mode="before")
     @classmethod
-    def _alias_mapping(cls, value: Any) -> Any:
+    def _pair_mapping(cls, value: Any) -> Any:
         if isinstance(value, dict):
-            return [f"{public}={served}" for public, served in value.items()]
+            return [f"{key}={target}" for key, target in value.items()]
         return value
 
     @field_validator("model_aliases")
     @classmethod
     def _alias_pairs(cls, value: list[str]) -> list[str]:
-        seen: set[str] = set()
-        for pair in value:
-            public, eq, served = pair.partition("=")
-            if not eq or not public.strip() or not served.strip():
-                raise ValueError(f"--model-alias {pair!r}: expected PUBLIC=SERVED")
-            if public.strip() == served.strip():
-                raise ValueError(f"--model-alias {pair!r}: a model cannot alias itself")
-            if public.strip() in seen:
-                raise ValueError(f"--model-alias: {public.strip()!r} is aliased twice")
-            seen.add(public.strip())
-        return value
-
-    @field_validator("model_policies", mode="before")
-    @classmethod
-    def _policy_mapping(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return [f"{model}={policy}" for model, policy in value.items()]
+        for public, served in _pairs(value, "--model-alias", "PUBLIC=SERVED", "aliased").items():
+            if public == served:
+                raise ValueError(f"--model-alias {public}={served}: a model cannot alias itself")
         return value
 
     @field_validator("model_policies")
     @classmethod
     def _policy_pairs(cls, value: list[str]) -> list[str]:
-        seen: set[str] = set()
-        for pair in value:
-            model, eq, policy = pair.partition("=")
-            if not eq or not model.strip() or not policy.strip():
-                raise ValueError(f"--model-policy {pair!r}: expected MODEL=POLICY")
-            if model.strip() in seen:
-                raise ValueError(f"--model-policy: {model.strip()!r} is given twice")
-            seen.add(model.strip())
+        _pairs(value, "--model-policy", "MODEL=POLICY", "given")
         return value
 
     @property
     def policies(self) -> dict[str, str]:
         """``model_policies`` as model -> policy name."""
-        pairs = (pair.partition("=") for pair in self.model_policies)
-        return {model.strip(): policy.strip() for model, _, policy in pairs}
+        return _pairs(self.model_policies, "--model-policy", "MODEL=POLICY", "given")
 
     @property
     def aliases(self) -> dict[str, str]:
         """``model_aliases`` as public name -> served name."""
-        pairs = (pair.partition("=") for pair in self.model_aliases)
-        return {public.strip(): served.strip() for public, _, served in pairs}
+        return _pairs(self.model_aliases, "--model-alias", "PUBLIC=SERVED", "aliased")
 
     @field_validator("processes")
     @classmethod
