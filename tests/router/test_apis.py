@@ -4,9 +4,8 @@ driven by the official SDKs where a client would use them."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +13,10 @@ import anthropic
 import openai
 import orjson
 import pytest
-import uvicorn
 
-from switchyard.mock.serve import build
 from switchyard.mock.settings import MockSettings
 from tests.router.inprocess import BASE_URL, InProcessRouter, running_router
+from tests.router.mock_engines import mock_engines as serve_mocks
 from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.support import TOKENIZER_DIR, eventually_async, free_port
 
@@ -32,51 +30,11 @@ MODEL = "m"
 SYSTEM = "You answer questions about rivers, briefly and in full sentences. " * 40
 
 
-class _Server(uvicorn.Server):
-    """Signals stay with the test runner."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @contextlib.asynccontextmanager
 async def mock_engines(count: int) -> AsyncIterator[list[str]]:
     """``count`` mock vLLM engines serving ``MODEL`` on loopback; their URLs."""
-    servers: list[_Server] = []
-    tasks: list[asyncio.Task[None]] = []
-    deployments = []
-    try:
-        for _ in range(count):
-            port = free_port()
-            deployment = build(MockSettings(model=MODEL, port=port, speed=100.0))
-            deployments.append(deployment)
-            (endpoint,) = deployment.endpoints
-            for engine in endpoint.engines:
-                await engine.start()
-            config = uvicorn.Config(
-                endpoint.app,
-                host="127.0.0.1",
-                port=port,
-                loop="none",
-                lifespan="off",
-                access_log=False,
-                log_level="warning",
-            )
-            servers.append(_Server(config))
-            tasks.append(asyncio.create_task(servers[-1].serve()))
-        while not all(s.started for s in servers):
-            await asyncio.sleep(0.01)
-        yield [f"http://127.0.0.1:{s.config.port}" for s in servers]
-    finally:
-        for s in servers:
-            s.should_exit = True
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for deployment in deployments:
-            for endpoint in deployment.endpoints:
-                for engine in endpoint.engines:
-                    await engine.stop()
-            await deployment.puller.close()
+    async with serve_mocks(*(MockSettings(model=MODEL, speed=100.0) for _ in range(count))) as up:
+        yield [engine.url for engine in up]
 
 
 @contextlib.asynccontextmanager
