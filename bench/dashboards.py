@@ -47,9 +47,13 @@ AUTOSCALING = REPO / "deploy" / "kubernetes" / "autoscaling"
 SHIPPED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # what the manifests serve
 MODEL = "mock-model"
 RATE_INTERVAL = "30s"
-# What a flood must have shown Prometheus: requests queued, and a model saturated.
+# What a flood must have shown Prometheus: requests queued, in the scrape and in the
+# recording rule (evaluated on its own clock, so it can miss a short queue), and a model
+# saturated.
 FLOOD_SEEN = (
     "max_over_time(switchyard_router_model_queued[5m]) > 0",
+    "max_over_time(switchyard:model_queued:sum[5m]) > 0",
+    'max_over_time(switchyard_router_model_saturation{role="unified"}[5m]) == 1',
     "last_over_time(switchyard_router_flow_saturated_models[5m])",
 )
 START_S = 90.0  # a process may start slowly on a loaded machine
