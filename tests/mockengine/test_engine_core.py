@@ -408,3 +408,28 @@ def test_virtual_cancel_aborts_a_request_and_frees_its_slot_for_the_next() -> No
     assert 0 < slow.output_tokens < 1000
     assert nxt.request_id == "next" and nxt.output_tokens == 3
     assert nxt.first_token_time is not None and nxt.first_token_time > 0.1
+
+
+@pytest.mark.parametrize(
+    ("policy", "order"),
+    [("fcfs", ["early", "late", "urgent"]), ("priority", ["urgent", "early", "late"])],
+)
+def test_the_waiting_order_follows_the_scheduling_policy(policy: str, order: list[str]) -> None:
+    """With vLLM's priority policy a waiting request of a lower ``priority`` value goes
+    first, ties by arrival; first come, first served ignores the value."""
+    core = EngineCore(cfg(max_num_batched_tokens=64, scheduling_policy=policy))
+    core.add_request(req("busy", prompt(64)))
+    core.step(0.0)  # "busy" takes the whole first step
+    core.add_request(req("early", prompt(64, 3000), priority=1))
+    core.add_request(req("late", prompt(64, 5000), priority=1))
+    core.add_request(req("urgent", prompt(64, 7000), priority=0))
+    started: list[str] = []
+    t = 0.0
+    while len(started) < 3:
+        t += core.step(t).duration
+        started += [
+            s.request_id
+            for s in core.running
+            if s.request_id not in started and s.request_id != "busy"
+        ]
+    assert started == order

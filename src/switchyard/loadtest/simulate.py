@@ -662,14 +662,15 @@ class SimFlow:
         if tick > self.tick:
             self.scrape(tick)
 
-    def can_serve(self, model: str) -> bool:
-        """``FlowControl.can_serve``: some candidate of ``model`` is not saturated."""
+    def can_serve(self, model: str, prompt_tokens: int = 0) -> bool:
+        """``FlowControl.can_serve``: some candidate of ``model`` has room for
+        ``prompt_tokens``."""
         candidates = self.router.fleet.candidates(model)
         if not candidates:
             return True
         views, thresholds, now = self.views, self.thresholds, self.clock()
         for worker in candidates:
-            if not saturated(cast(Worker, views[worker.id]), thresholds, now):
+            if not saturated(cast(Worker, views[worker.id]), thresholds, now, 1, prompt_tokens):
                 return True
         return False
 
@@ -683,10 +684,10 @@ class SimFlow:
         )
         identity = Identity(workload.tenant(index), workload.priority(index))
         queue = self.queue
-        if not len(queue) and self.can_serve(MODEL):
+        if not len(queue) and self.can_serve(MODEL, len(ids)):
             self.dispatch(index, identity.tenant, request, t)
             return
-        if identity.sheddable and not self.can_serve(MODEL):
+        if identity.sheddable and not self.can_serve(MODEL, len(ids)):
             self.refuse(index, identity.tenant, len(ids), t, "shed")
             return
         size = len(ids) * CHARS_PER_TOKEN

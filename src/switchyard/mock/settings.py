@@ -21,6 +21,7 @@ ENGINE_FIELDS = (
     "num_gpu_blocks",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "scheduling_policy",
     "enable_prefix_caching",
     "step_base_us",
     "prefill_token_us",
@@ -98,6 +99,11 @@ class MockSettings(ServiceSettings):
     num_gpu_blocks: int | None = Field(default=None, description="KV blocks per rank")
     max_num_seqs: int | None = Field(default=None, description="max running requests per rank")
     max_num_batched_tokens: int | None = Field(default=None, description="per-step token budget")
+    scheduling_policy: Literal["fcfs", "priority"] | None = Field(
+        default=None,
+        description="waiting order: arrival, or vLLM's (priority, arrival) with the "
+        "request's priority (lower first)",
+    )
     enable_prefix_caching: bool | None = Field(default=None, description="prefix caching")
     step_base_us: float | None = Field(default=None, description="per-step fixed cost")
     prefill_token_us: float | None = Field(default=None, description="per uncached prefill token")

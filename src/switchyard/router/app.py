@@ -35,7 +35,12 @@ from switchyard.router.apis import AnswerFilter, ResponseHolders, renaming
 from switchyard.router.connections import CLIENT_GONE, STREAM_WRITER
 from switchyard.router.control import build_control_app
 from switchyard.router.errors import RouterError
-from switchyard.router.flow.control import FlowControl, Grant, served_tokens
+from switchyard.router.flow.control import (
+    FlowControl,
+    Grant,
+    served_tokens,
+    usage_prompt_tokens,
+)
 from switchyard.router.flow.identity import (
     FAIRNESS_ID_HEADER,
     Identity,
@@ -58,11 +63,14 @@ from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, se
 from switchyard.router.request import (
     ANTHROPIC_ROUTES,
     API_ROUTES,
+    CHAT,
+    COMPLETIONS,
     DATA_ROUTES,
     DETOKENIZE,
     RESPONSES,
     TOKENIZE,
     RoutedRequest,
+    TokenRatio,
     parse,
 )
 from switchyard.router.scheduler.framework import Context, Explanation, Scheduler
@@ -71,6 +79,8 @@ from switchyard.router.tenants import TenantRequests
 from switchyard.router.tracing import REQUEST_ID, RequestTrace, Tracing, build_tracing
 from switchyard.router.upstream import Call
 
+# The routes whose vLLM request schema has ``priority`` (``--flow-engine-priority``).
+PRIORITY_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES))
 log = logging.getLogger("switchyard.router")
 _T = TypeVar("_T")
 
@@ -221,6 +231,8 @@ class RouterApp:
         flow = settings.flow
         self._tenant_header = flow.tenant_header.encode("latin-1") if flow.tenant_header else None
         self._max_priority = flow.max_priority
+        self.token_ratio = TokenRatio()  # flow control's prompt estimates, in engine tokens
+        self._engine_priority = flow.engine_priority and self.flow is not None
         # The identities of requests that name no priority and no deadline, one per tenant.
         self._identities: dict[str, Identity] = {}
         self._draining = False
@@ -405,6 +417,7 @@ class RouterApp:
         admitted = False
         grant: Grant | None = None
         ctx: Context | None = None
+        req: RoutedRequest | None = None
         try:
             if header_bytes > self.settings.limits.max_header_bytes:
                 raise RouterError(
@@ -424,6 +437,7 @@ class RouterApp:
             )
             body = await self._read_body(receive, content_length)
             req = parse(route, body, session, self.settings.client_kv_transfer)
+            req.chars_per_token = self.token_ratio.value
             if trace is not None:
                 trace.describe(req.model, identity.tenant, priority_name(identity.priority))
             sink: Send = response
@@ -440,7 +454,7 @@ class RouterApp:
             else:
                 flow = self.flow
                 if flow is not None:
-                    grant = flow.grant_now(identity.tenant, req.model)
+                    grant = flow.grant_now(identity.tenant, req.model, req.prompt_tokens_estimate)
                     if grant is None:
                         admit = flow.admit(
                             identity,
@@ -463,6 +477,10 @@ class RouterApp:
                 if grant is not None:
                     assert flow is not None
                     flow.begun(grant)
+                if self._engine_priority and route in PRIORITY_ROUTES:
+                    assert flow is not None
+                    req.data["priority"] = flow.engine_priority(identity)
+                    req.body = orjson.dumps(req.data)
                 dispatch = self.forwarder.forward(
                     req, ctx, ranked, forward_headers, request_id, sink, started
                 )
@@ -499,6 +517,10 @@ class RouterApp:
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
+            if ctx is not None and (ctx.prefix is None or not ctx.prefix.exact):
+                counted = usage_prompt_tokens(ctx.tail)  # the engine's count, untokenized here
+                if counted is not None and req is not None:
+                    self.token_ratio.observe(req.prompt_chars, counted)
             if grant is not None:
                 assert self.flow is not None
                 if ctx is not None:
@@ -704,6 +726,8 @@ class RouterApp:
             and ctx.prompt_tokens <= self.settings.kv.max_prompt_tokens
         ):
             await self.kv.annotate(ctx, req, candidates)
+            if ctx.prefix is not None and ctx.prefix.exact:
+                self.token_ratio.observe(req.prompt_chars, ctx.prompt_tokens)
         ranked = scheduler.schedule(ctx, candidates)
         if not ranked:
             raise self._unavailable("No worker can take this request now")

@@ -40,6 +40,29 @@ MODEL_OPTIONAL = frozenset({TOKENIZE, DETOKENIZE})
 TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
+class TokenRatio:
+    """Characters per prompt token, learnt from the prompts whose tokens the router or the
+    engine counted: flow control weighs a waiting prompt against the tokens a worker has
+    queued, so its estimate must be in the same tokens, and a fleet's traffic (code, other
+    languages) can be twice as dense as prose's four characters a token."""
+
+    __slots__ = ("value",)
+
+    WEIGHT = 0.05  # of each new observation: about the last twenty prompts
+    BOUNDS = (1.0, 16.0)  # a ratio outside them is a bad count, not a language
+
+    def __init__(self, initial: float = CHARS_PER_TOKEN) -> None:
+        self.value = float(initial)
+
+    def observe(self, chars: int, tokens: int) -> None:
+        """``chars`` of a prompt were ``tokens`` tokens."""
+        if chars <= 0 or tokens <= 0:
+            return
+        low, high = self.BOUNDS
+        ratio = min(max(chars / tokens, low), high)
+        self.value += self.WEIGHT * (ratio - self.value)
+
+
 @dataclass(slots=True)
 class RoutedRequest:
     route: str
@@ -52,10 +75,11 @@ class RoutedRequest:
     # The chat a Messages or Responses request becomes at the engine, for prefix matching
     # (None: the route has none, or the router cannot render it).
     messages: list[dict[str, Any]] | None = None
+    chars_per_token: float = CHARS_PER_TOKEN  # the app sets its learnt ``TokenRatio``
 
     @property
     def prompt_tokens_estimate(self) -> int:
-        return self.prompt_chars // CHARS_PER_TOKEN + 1
+        return int(self.prompt_chars / self.chars_per_token) + 1
 
     @property
     def turn(self) -> str:

@@ -386,6 +386,13 @@ class Flow(Group):
         "every other tenant); a higher x-priority is lowered to it",
         json_schema_extra=NO_FLAG,
     )
+    engine_priority: bool = Field(
+        default=False,
+        description="send each request vLLM's priority field, for engines run with "
+        "--scheduling-policy priority: higher bands first, then a tenant with nothing "
+        "waiting in the router before one whose backlog waits (off: a client's own "
+        "priority field goes through)",
+    )
     tenant_tokens_per_minute: dict[str, int] = Field(
         default_factory=dict,
         description="tokens (prompt and output) per minute each tenant may be served "

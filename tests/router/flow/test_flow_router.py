@@ -32,14 +32,17 @@ class HeldWorker:
 
     def __init__(self) -> None:
         self.arrived: list[str] = []
+        self.priorities: dict[str, object] = {}  # the body's ``priority`` field, if any
         self.held: dict[str, asyncio.Event] = {}
         self.stub = StubBackend(self.route)
 
     async def route(self, request: StubRequest) -> StubReply | None:
         if request.method != "POST" or request.path != "/v1/completions":
             return None
-        name = request.json()["prompt"]
+        body = request.json()
+        name = body["prompt"]
         self.arrived.append(name)
+        self.priorities[name] = body.get("priority")
         gate = self.held[name] = asyncio.Event()
         await gate.wait()
         answer = {"id": name, "object": "text_completion", "choices": [], "usage": USAGE}
@@ -71,9 +74,15 @@ def flow_of(router: InProcessRouter) -> Any:
 
 
 def send(
-    router: InProcessRouter, name: str, key: str = "key-f", **headers: str
+    router: InProcessRouter,
+    name: str,
+    key: str = "key-f",
+    priority: int | None = None,
+    **headers: str,
 ) -> asyncio.Task[httpx.Response]:
-    body = {"model": "stub-model", "prompt": name, "max_tokens": 5}
+    body: dict[str, Any] = {"model": "stub-model", "prompt": name, "max_tokens": 5}
+    if priority is not None:
+        body["priority"] = priority
     headers = {"authorization": f"Bearer {key}", **headers}
     return asyncio.create_task(router.post("/v1/completions", json=body, headers=headers))
 
@@ -147,6 +156,36 @@ async def test_a_high_priority_request_overtakes_queued_normal_ones() -> None:
         statuses = [(await task).status_code for task in tasks]
     assert worker.arrived == ["n0", "h", "n1", "n2"]
     assert statuses == [200] * 4
+
+
+async def test_engine_priority_tells_the_engine_the_routers_order() -> None:
+    """vLLM's ``priority`` (lower first) goes with each request: a band's requests get less
+    than a lower band's, and a tenant whose backlog still waits in the router gets one
+    more than a tenant with none, so a priority-scheduling engine serves the quiet
+    tenant's request before the flood's next prompt queued there."""
+    async with saturated_router(flow={"engine_priority": True}) as (router, worker):
+        tasks = [send(router, "f0", priority=-5)]  # the client's own value is replaced
+        await worker.reached("f0")
+        tasks += [send(router, "f1"), send(router, "f2")]
+        await queued(router, 2)
+        tasks.append(send(router, "q0", key="key-q"))
+        tasks.append(send(router, "h", **{"x-priority": "high"}))
+        await queued(router, 4)
+        await finish_in_turn(worker, 5)
+        statuses = [(await task).status_code for task in tasks]
+    assert worker.arrived == ["f0", "h", "q0", "f1", "f2"]
+    # h: band 1 (-2), its tenant's f1 and f2 still waiting (+1)
+    assert worker.priorities == {"f0": 0, "h": -1, "q0": 0, "f1": 1, "f2": 0}
+    assert statuses == [200] * 5
+
+
+async def test_without_engine_priority_the_clients_priority_field_goes_through() -> None:
+    async with saturated_router() as (router, worker):
+        tasks = [send(router, "mine", priority=7), send(router, "none")]
+        await finish_in_turn(worker, 2)
+        statuses = [(await task).status_code for task in tasks]
+    assert worker.priorities == {"mine": 7, "none": None}
+    assert statuses == [200] * 2
 
 
 async def test_a_sheddable_request_is_refused_at_once_under_saturation() -> None:

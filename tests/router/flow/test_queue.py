@@ -323,7 +323,7 @@ def test_a_model_without_capacity_does_not_block_another(clock: Clock) -> None:
     queue.push(req(clock, "b", model="big", name="b-big"))
     asked: list[str] = []
 
-    def only_small(model: str) -> bool:
+    def only_small(model: str, prompt_tokens: int) -> bool:
         asked.append(model)
         return model == "small"
 
@@ -340,9 +340,28 @@ def test_a_lower_band_goes_when_the_higher_bands_model_is_full(clock: Clock) -> 
     queue = make(clock)
     queue.push(req(clock, priority=1, model="busy", name="high"))
     queue.push(req(clock, priority=0, model="free", name="normal"))
-    item = queue.pop(lambda model: model == "free")
+    item = queue.pop(lambda model, _: model == "free")
     assert item is not None and item.payload == "normal"
     assert queue.sizes() == {(1, "t"): 1}
+
+
+def test_a_long_prompt_without_room_does_not_block_a_short_one(clock: Clock) -> None:
+    """Room is judged per request: a tenant's long prompt waits for a drained worker while
+    another tenant's short one, which fits beside the queued prefill, goes."""
+    queue = make(clock)
+    queue.push(req(clock, "flood", prompt=2000, name="long"))
+    queue.push(req(clock, "quiet", prompt=100, name="short"))
+    asked: list[int] = []
+
+    def room_for_500(model: str, prompt_tokens: int) -> bool:
+        asked.append(prompt_tokens)
+        return prompt_tokens <= 500
+
+    item = queue.pop(room_for_500)
+    assert item is not None and item.payload == "short"
+    assert sorted(asked) == [100, 2000]
+    assert queue.pop(room_for_500) is None
+    assert queue.pop(lambda model, prompt_tokens: True).payload == "long"  # type: ignore[union-attr]
 
 
 # -- views and shutdown ----------------------------------------------------------------------

@@ -70,6 +70,32 @@ def test_queued_prefill_tokens_cap_counts_peers_too() -> None:
     assert not saturated(worker(prefill=10**6), DEFAULTS, NOW)
 
 
+def test_the_prefill_cap_counts_the_new_requests_own_prompt() -> None:
+    """Queued prefill plus the new prompt must fit under the cap; a worker with nothing
+    left to prefill takes any prompt, however long."""
+    cap = Thresholds(max_queued_prefill_tokens=2048)
+    one_long = worker(prefill=2000)
+    assert saturated(one_long, cap, NOW, prompt_tokens=2000)
+    assert saturated(one_long, cap, NOW, prompt_tokens=100)
+    assert not saturated(one_long, cap, NOW, prompt_tokens=48)
+    assert not saturated(worker(prefill=0), cap, NOW, prompt_tokens=10**6)
+    assert not saturated(worker(prefill=1000), cap, NOW, prompt_tokens=1000)
+    assert saturated(worker(prefill=2048), cap, NOW)  # full, even for an empty prompt
+    # a sibling contending halves this process's part
+    assert saturated(worker(prefill=1000), cap, NOW, contenders=2, prompt_tokens=100)
+    assert not saturated(worker(prefill=500), cap, NOW, contenders=2, prompt_tokens=500)
+
+
+def test_a_prompt_past_a_processs_part_waits_for_every_process_to_drain() -> None:
+    """Under contention a short prompt fits its process's part beside a sibling's queued
+    prefill; a long one goes only to a worker with no process's prefill left."""
+    cap = Thresholds(max_queued_prefill_tokens=2048)
+    siblings = worker(prefill=0, remote_prefill=2000)
+    assert not saturated(siblings, cap, NOW, contenders=2, prompt_tokens=100)
+    assert saturated(siblings, cap, NOW, contenders=2, prompt_tokens=2000)
+    assert not saturated(worker(prefill=0), cap, NOW, contenders=2, prompt_tokens=2000)
+
+
 @pytest.mark.parametrize(
     "idle",
     [

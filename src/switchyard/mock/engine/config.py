@@ -13,8 +13,11 @@ The served context (``max_model_len``) is the HTTP front's and the simulator's s
 the core's: as in vLLM, a request longer than it is refused before it reaches the scheduler
 (``api.context_length_error``), so the core only ever sees requests that fit.
 
-Both flavours run the same vLLM V1-like scheduler (FCFS; ``EngineRequest.priority`` is
-not used); ``hash_flavor`` picks how block hashes are computed and published. ``speed``
+Both flavours run the same vLLM V1-like scheduler: waiting requests first come, first
+served, or with ``scheduling_policy="priority"`` by (``EngineRequest.priority``, arrival),
+lower first, as vLLM's ``--scheduling-policy priority`` orders them (a preemption still
+takes the request admitted last, not the lowest priority one as vLLM's does); ``hash_flavor``
+picks how block hashes are computed and published. ``speed``
 only matters on the real clock; the virtual clock runs in model time.
 """
 
@@ -34,6 +37,7 @@ class EngineConfig:
     # vLLM V1 defaults for max_num_seqs and (online serving, H100) max_num_batched_tokens.
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  # per-step token budget (chunked prefill)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"  # vLLM's --scheduling-policy
     enable_prefix_caching: bool = True
     # a: per-step fixed cost (BLIS beta0).
     step_base_us: float = 5753.0

@@ -47,6 +47,7 @@ class Seq:
         "first_token_done",
         "output_ids",
         "sink",
+        "arrival",
     )
 
     def __init__(self, req: EngineRequest, digests: list[bytes]) -> None:
@@ -70,6 +71,7 @@ class Seq:
         self.first_token_done = False
         self.output_ids = req.output_token_ids or [0]
         self.sink: object = None  # the driver's per-request channel
+        self.arrival = 0  # the engine's arrival order, for the priority policy
 
     @property
     def finished(self) -> bool:
@@ -100,6 +102,8 @@ class EngineCore:
         self.pool = BlockPool(config.num_gpu_blocks)
         self.hasher = BlockHasher(config.hash_flavor, config.block_size, config.int_block_hashes)
         self.waiting: deque[Seq] = deque()
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = 0
         self.running: list[Seq] = []
         self.held: dict[str, Seq] = {}
         self.seqs: dict[str, Seq] = {}
@@ -141,8 +145,23 @@ class EngineCore:
         )
         seq = Seq(req, digests)
         self.seqs[req.request_id] = seq
-        self.waiting.append(seq)
+        self._arrivals += 1
+        seq.arrival = self._arrivals
+        if self.by_priority:
+            self._wait_in_order(seq)
+        else:
+            self.waiting.append(seq)
         return seq
+
+    def _wait_in_order(self, seq: Seq) -> None:
+        """Queue ``seq`` by (priority, arrival), vLLM's priority policy; searched from the
+        back, where a new request usually belongs."""
+        waiting = self.waiting
+        key = (seq.req.priority, seq.arrival)
+        at = len(waiting)
+        while at and (waiting[at - 1].req.priority, waiting[at - 1].arrival) > key:
+            at -= 1
+        waiting.insert(at, seq)
 
     def abort(self, request_id: str) -> Seq | None:
         """Drop a request wherever it is and free its blocks at once."""
@@ -452,7 +471,10 @@ class EngineCore:
         seq.num_cached_blocks = 0
         seq.state = WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.by_priority:
+            self._wait_in_order(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def expire_held(self, now: float) -> None:
         """Free prefill holds whose decode side never pulled them."""

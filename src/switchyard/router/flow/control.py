@@ -78,10 +78,15 @@ def _last_number(body: bytes, key: bytes) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def usage_prompt_tokens(tail: bytes) -> int | None:
+    """The prompt tokens an answer's ``usage`` (in its last bytes) reports, if any."""
+    return _last_number(tail, _PROMPT_KEY) if tail else None
+
+
 def served_tokens(tail: bytes, prompt_estimate: int, generated: int) -> tuple[int, int]:
     """(prompt, output) tokens an answer cost: the engine's ``usage`` where the answer (or a
     stream's tail) holds it, else the router's prompt estimate and the relay's token count."""
-    prompt = _last_number(tail, _PROMPT_KEY) if tail else None
+    prompt = usage_prompt_tokens(tail)
     if prompt is None:
         return prompt_estimate, generated
     output = _last_number(tail, _COMPLETION_KEY)
@@ -208,10 +213,11 @@ class FlowControl:
                 free += 1
         return free
 
-    def can_serve(self, model: str) -> bool:
-        """Whether a request for ``model`` may be routed now: some candidate is free beyond
-        the dispatched requests still choosing one. A model no worker serves is "served" at
-        once, so routing answers it (404 or 503) rather than the queue holding it."""
+    def can_serve(self, model: str, prompt_tokens: int = 0) -> bool:
+        """Whether a request for ``model`` of ``prompt_tokens`` may be routed now: some
+        candidate has room for it beyond the dispatched requests still choosing one. A model
+        no worker serves is "served" at once, so routing answers it (404 or 503) rather than
+        the queue holding it."""
         candidates = self.fleet.candidates(model)
         if not candidates:
             return True
@@ -220,7 +226,7 @@ class FlowControl:
         now = self.clock()
         contenders = self.contenders(now)
         for worker in candidates:  # stops at the first free one beyond those
-            if not saturated(worker, thresholds, now, contenders):
+            if not saturated(worker, thresholds, now, contenders, prompt_tokens):
                 if not needed:
                     return True
                 needed -= 1
@@ -236,12 +242,22 @@ class FlowControl:
                 out.append(model)
         return out
 
+    def engine_priority(self, identity: Identity) -> int:
+        """vLLM's ``priority`` (lower first) for ``identity``'s request as it leaves for its
+        worker, so an engine that orders its waiting queue by priority keeps the router's
+        order there too: a higher band first, and in a band a tenant with nothing left
+        waiting here before one whose backlog still waits (a flood's next prompt, queued
+        on the engine to keep it busy, goes after a quiet tenant's request that came
+        later)."""
+        return -2 * identity.priority + (1 if self.queue.waiting(identity.tenant) else 0)
+
     # -- admission ---------------------------------------------------------------------
 
-    def grant_now(self, tenant: str, model: str) -> Grant | None:
+    def grant_now(self, tenant: str, model: str, prompt_tokens: int = 0) -> Grant | None:
         """The fast path: a grant when nothing waits, no rate limit applies and some
-        candidate of ``model`` is free; else None (``admit`` decides)."""
-        if self.limiter is not None or len(self.queue) or not self.can_serve(model):
+        candidate of ``model`` has room for ``prompt_tokens``; else None (``admit``
+        decides)."""
+        if self.limiter is not None or len(self.queue) or not self.can_serve(model, prompt_tokens):
             return None
         grant = self._grants.get(tenant)
         if grant is None:
@@ -272,7 +288,7 @@ class FlowControl:
                     f"This tenant is over its {limited.kind} per minute; retry later",
                     limited.retry_after_s,
                 ) from None
-        if not len(self.queue) and self.can_serve(model):
+        if not len(self.queue) and self.can_serve(model, prompt_tokens):
             return Grant(tenant, model, reservation, False)
         return await self._wait(identity, model, size_bytes, prompt_tokens, reservation)
 
@@ -288,7 +304,7 @@ class FlowControl:
             if self.closed:
                 self.metrics.outcome("shutdown")
                 raise refusal(503, "shutting_down", "The router is shutting down", None)
-            if identity.sheddable and not self.can_serve(model):
+            if identity.sheddable and not self.can_serve(model, prompt_tokens):
                 self.metrics.outcome("shed")
                 raise refusal(
                     429,

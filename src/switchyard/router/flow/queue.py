@@ -177,6 +177,11 @@ class FlowQueue:
             return 0.0
         return record.scaled / self._scale(self._clock())
 
+    def waiting(self, tenant: str) -> int:
+        """How many of ``tenant``'s requests wait now, in any band."""
+        record = self._tenants.get(tenant)
+        return 0 if record is None else record.live
+
     def charge(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
         """Count what ``tenant`` was served (an answer's usage); the prompt tokens settle
         first against what was advanced at dispatch, so nothing is counted twice."""
@@ -285,15 +290,16 @@ class FlowQueue:
 
     # -- pop -----------------------------------------------------------------------------
 
-    def pop(self, can_serve: Callable[[str], bool] | None = None) -> Queued | None:
+    def pop(self, can_serve: Callable[[str, int], bool] | None = None) -> Queued | None:
         """The next request to dispatch, removed from the queue, or None.
 
-        ``can_serve(model)``: whether the model has capacity now; requests of a model
-        without it are passed over, so one saturated model does not block another's.
+        ``can_serve(model, prompt_tokens)``: whether the model has room now for such a
+        request; one without is passed over, so one saturated model does not block
+        another's, nor a long prompt a short one.
         """
         if not self._len:
             return None
-        verdicts: dict[str, bool] = {}
+        verdicts: dict[tuple[str, int], bool] = {}
         for negated in self._order:
             band = self._bands[-negated]
             skipped: list[tuple[float, int, _Member]] = []
@@ -328,7 +334,9 @@ class FlowQueue:
 
     @staticmethod
     def _first_servable(
-        member: _Member, can_serve: Callable[[str], bool] | None, verdicts: dict[str, bool]
+        member: _Member,
+        can_serve: Callable[[str, int], bool] | None,
+        verdicts: dict[tuple[str, int], bool],
     ) -> list[_Entry] | None:
         """The tenant's model heap whose first request goes next, among servable models."""
         best: list[_Entry] | None = None
@@ -339,9 +347,10 @@ class FlowQueue:
             if not heap:
                 del member.by_model[model]
                 continue
-            servable = verdicts.get(model)
+            key = (model, heap[0][2].prompt_tokens)
+            servable = verdicts.get(key)
             if servable is None:
-                servable = verdicts[model] = can_serve is None or can_serve(model)
+                servable = verdicts[key] = can_serve is None or can_serve(*key)
             if servable and (best is None or heap[0][:2] < best[0][:2]):
                 best = heap
         return best

@@ -5,6 +5,13 @@ fair share, deadline, a worker that frees up first), so the router holds it inst
 engine's own view (waiting requests, KV usage, scraped) is the main signal; the router's
 counters (in flight, prefill tokens not yet computed) add caps an operator can set.
 
+The prefill cap counts the new request's own prompt: a worker with prefill queued takes
+one more only while both fit under the cap (one with none takes any), so a long prompt
+waits for a worker that has drained while a short one still fits beside the queued work:
+the engine's next step then holds it, rather than the step after a second long prompt.
+The whole prompt is counted, as what the chosen worker has cached is known only once it
+is chosen; that errs toward waiting.
+
 Work-conserving: a worker with nothing in flight from this router is never saturated,
 whatever its metrics say, so stale or missing metrics (or another client's load) cannot
 stall the queue for ever.
@@ -13,7 +20,9 @@ Processes of one router each keep their own queue. While ``contenders`` of them 
 requests waiting, each keeps to its part of the router-side caps, counted on its own
 requests: a shared cap goes to whichever process looks first when a slot frees (the one
 whose request just ended), and another's waiting requests, a quiet tenant's among them,
-would starve behind it.
+would starve behind it. A prompt longer than its part waits for the worker to drain of
+every process's prefill, so the processes' parts do not add up to several long prompts
+queued on one engine.
 """
 
 from __future__ import annotations
@@ -34,9 +43,16 @@ class Thresholds:
     max_queued_prefill_tokens: int = 0  # router-side prefill tokens not yet computed (0: off)
 
 
-def saturated(worker: Worker, thresholds: Thresholds, now: float, contenders: int = 1) -> bool:
-    """Whether ``worker`` should take no new request now (``now`` on the monotonic clock);
-    ``contenders``: this process and those of its siblings with requests waiting.
+def saturated(
+    worker: Worker,
+    thresholds: Thresholds,
+    now: float,
+    contenders: int = 1,
+    prompt_tokens: int = 0,
+) -> bool:
+    """Whether ``worker`` should take no new request of ``prompt_tokens`` now (``now`` on
+    the monotonic clock); ``contenders``: this process and those of its siblings with
+    requests waiting.
 
     Called for every candidate on the fast path, so it only reads attributes.
     """
@@ -53,13 +69,17 @@ def saturated(worker: Worker, thresholds: Thresholds, now: float, contenders: in
         ):
             return True
         cap = thresholds.max_queued_prefill_tokens
-        if cap and totals.prefill_tokens * contenders >= cap:
+        own = totals.prefill_tokens
+        if cap and own and own * contenders >= cap:
             return True
+        if cap and (own + prompt_tokens) * contenders > cap and own + totals.remote_prefill_tokens:
+            return True  # past its part, and the worker has not drained
     else:
         if thresholds.max_inflight and inflight >= thresholds.max_inflight:
             return True
         cap = thresholds.max_queued_prefill_tokens
-        if cap and totals.prefill_tokens + totals.remote_prefill_tokens >= cap:
+        queued = totals.prefill_tokens + totals.remote_prefill_tokens
+        if cap and queued and (queued >= cap or queued + prompt_tokens > cap):
             return True
     engine = worker.engine
     if engine is None:
