@@ -16,7 +16,11 @@ fleet's prefill capacity comes from the mock's timing model, not a calibration r
 full step takes ``step_base_us + prefill_token_us * step_tokens`` model microseconds,
 divided by ``--speed`` in wall time; A's request rate at capacity is that over A's mean
 prompt length. Switchyard is told the same budget (``--flow-max-queued-prefill-tokens``),
-as its operator would: a quiet request then waits behind about one step, not a queue. B sends
+as its operator would (``--cap-steps`` times it): a quiet request then waits behind about
+one step, not a queue. With ``--engine-priority`` the engines order their waiting queue by
+vLLM's ``priority`` (``--scheduling-policy priority``) and Switchyard sends it
+(``--flow-engine-priority``), so a quiet request overtakes the flood's prompts queued on
+the engine; smg sends none, so its requests keep their arrival order there. B sends
 the same number of requests a second as ``--quiet-share`` of that rate, so its share of
 the fleet's tokens is far smaller still.
 
@@ -37,6 +41,7 @@ is measured first, from the TTFT of a lone mean-sized flood prompt on an idle en
 Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--step-tokens 2048] [--real]
                                [--duration 20] [--repeats 3]
                                [--flood-x 3] [--quiet-share 0.2] [--no-smg]
+                               [--engine-priority] [--cap-steps 1]
                                [--ours-args '--flow-...'] [--rev REV]
 """
 
