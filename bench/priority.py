@@ -37,6 +37,7 @@ Run:  python -m bench.priority [--engines 2] [--speed 0.1] [--step-tokens 2048]
                                [--duration 30] [--repeats 1] [--batch-x 3]
                                [--interactive-share 0.2] [--sheddable-share 0.2]
                                [--no-flow-off] [--ours-args '--flow-...'] [--seed 1]
+                               [--engine-priority]
                                [--rev REV]
 """
 
@@ -199,6 +200,12 @@ def main() -> None:
         default="",
         help="one more target: flow on with these flags too ('--flow-max-queued-prefill-tokens 1')",
     )
+    parser.add_argument(
+        "--engine-priority",
+        action="store_true",
+        help="engines order their waiting queue by priority (vLLM's --scheduling-policy "
+        "priority); give our router --flow-engine-priority with --ours-args",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
         "--rev", help="run our router from this git revision (a temporary worktree)"
@@ -235,7 +242,10 @@ def main() -> None:
     print(header, file=sys.stderr)
     with ExitStack() as stack:
         config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-        config.write(f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n")
+        policy = "priority" if args.engine_priority else "fcfs"
+        config.write(
+            f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n  scheduling_policy: {policy}\n"
+        )
         config.flush()
         fleet = stack.enter_context(
             MockFleet(args.engines, speed=args.speed, seed=args.seed,

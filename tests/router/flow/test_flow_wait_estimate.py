@@ -98,9 +98,9 @@ def test_a_request_expected_to_wait_most_of_the_ttl_is_refused_too() -> None:
     """Let in near the TTL, a request may time out after all of it: the slowest refusal."""
     flow, clock = flow_control(ttl_s=10.0)
     drained_at(flow, clock, per_s=4.0)
-    queue_up(flow, clock, FLOOD, 15)  # its 16th request: about 4 s
+    queue_up(flow, clock, FLOOD, 8)  # its 9th request: about 2.25 s
     flow._refuse_if_hopeless(FLOOD)
-    queue_up(flow, clock, FLOOD, 10)  # its 26th: about 6.5 s, past half the TTL
+    queue_up(flow, clock, FLOOD, 4)  # its 13th: about 3.25 s, past a quarter of the TTL
     with pytest.raises(RouterError) as refused:
         flow._refuse_if_hopeless(FLOOD)
     assert refused.value.headers["x-switchyard-reason"] == "queue_full"

@@ -62,7 +62,7 @@ _RATE_SAMPLES = 16
 # the drain rate swings with the prompts' sizes and the siblings' share of the caps, and
 # a request let in near the TTL may time out after waiting all of it, the slowest
 # refusal there is.
-_HOPELESS_SHARE = 0.5
+_HOPELESS_SHARE = 0.25
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
 _PROMPT_KEY = b'"prompt_tokens"'
 _COMPLETION_KEY = b'"completion_tokens"'
