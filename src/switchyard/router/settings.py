@@ -388,8 +388,8 @@ class Flow(Group):
     )
     engine_priority: bool = Field(
         default=False,
-        description="send each request vLLM's priority field, for engines run with "
-        "--scheduling-policy priority: higher bands first, then a tenant with nothing "
+        description="send each request vLLM's priority field, for engines whose "
+        "scheduling policy is 'priority': higher bands first, then a tenant with nothing "
         "waiting in the router before one whose backlog waits (off: a client's own "
         "priority field goes through)",
     )
