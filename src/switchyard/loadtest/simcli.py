@@ -119,7 +119,9 @@ def _router_notes_quiet() -> Iterator[None]:
     "--flow-option",
     multiple=True,
     help="Router flow setting KEY=VALUE, repeatable (the router's flow.* names, e.g. "
-    "max_inflight_per_worker=4) [default: the router's].",
+    "max_inflight_per_worker=4; a mapping as JSON, e.g. "
+    "'tenant_tokens_per_minute={\"A\":60000}' for tenant rate limits) "
+    "[default: the router's].",
 )
 @click.option(
     "--scrape-interval-ms",
@@ -213,6 +215,7 @@ def flow_settings(options: dict[str, object]) -> Flow:
     command's one-line error."""
     import pydantic
 
+    from switchyard.router.flow.ratelimit import RateLimits
     from switchyard.router.settings import Flow
 
     unknown = sorted(set(options) - set(Flow.model_fields))
@@ -221,11 +224,17 @@ def flow_settings(options: dict[str, object]) -> Flow:
             f"no flow setting(s) {', '.join(unknown)}", param_hint="--flow-option"
         )
     try:
-        return Flow(**options)  # type: ignore[arg-type]
+        flow = Flow(**options)  # type: ignore[arg-type]
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise click.BadParameter(f"{where}: {first['msg']}", param_hint="--flow-option") from None
+    for name in ("tenant_tokens_per_minute", "tenant_requests_per_minute"):
+        try:
+            RateLimits(getattr(flow, name))
+        except ValueError as exc:
+            raise click.BadParameter(f"{name}: {exc}", param_hint="--flow-option") from None
+    return flow
 
 
 @click.command(

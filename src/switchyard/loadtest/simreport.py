@@ -11,6 +11,7 @@ from rich.table import Table
 
 from switchyard.loadtest.report import render_table, to_json
 from switchyard.loadtest.simulate import SimOutcome
+from switchyard.router.settings import Flow
 
 
 def print_table(outcome: SimOutcome, console: Console) -> None:
@@ -31,13 +32,27 @@ def print_table(outcome: SimOutcome, console: Console) -> None:
     if outcome.flow:
         console.print(
             f"flow control: on (the router's, engine metrics scraped every "
-            f"{cfg.scrape_interval_s() * 1e3:g} ms); its refusals are counted as errors."
+            f"{cfg.scrape_interval_s() * 1e3:g} ms{rate_limits(cfg.flow_settings)}); its "
+            f"refusals are counted as errors."
         )
     else:
         reason = "P/D pools are not queued" if cfg.flow else "--no-flow"
         console.print(f"flow control: off ({reason}); every request is routed at its arrival.")
     if any(len(run.tenants) > 1 or run.refused_by_flow for run in outcome.runs):
         console.print(tenant_table(outcome))
+
+
+def rate_limits(flow: Flow) -> str:
+    """The tenants' rate limits as the flow control line names them ("" when none)."""
+    parts = []
+    for unit, limits in (
+        ("tokens", flow.tenant_tokens_per_minute),
+        ("requests", flow.tenant_requests_per_minute),
+    ):
+        named = ", ".join(f"{tenant} {limit}" for tenant, limit in sorted(limits.items()))
+        if any(limits.values()):
+            parts.append(f"{unit} per minute {named}")
+    return f"; tenant rate limits: {'; '.join(parts)}" if parts else ""
 
 
 def tenant_table(outcome: SimOutcome) -> Table:

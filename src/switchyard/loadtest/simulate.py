@@ -33,6 +33,14 @@ them: every ``scrape_interval_ms`` (the router's own interval by default) each w
 running and waiting requests and KV usage are sampled. The router does not queue for P/D pools (no
 unified candidates), so neither does a P/D simulation.
 
+Tenant rate limits (``flow.tenant_tokens_per_minute``, ``flow.tenant_requests_per_minute``)
+are the router's ``TenantRateLimiter`` on the same virtual clock, applied first, as the
+router applies them: a request reserves its prompt plus ``max_tokens`` at its arrival or is
+refused 429 ``rate_limited``, is settled on its real prompt and output tokens at its end,
+and is refunded when refused later (shed, queue full, timed out). A request too long for
+the context is refused before flow control here, so it costs its tenant nothing, where the
+router would charge its prompt since the engine's 400 reports no usage.
+
 The engines are, unless told otherwise, the engine model's own: Llama-3.1-8B on one 80 GB
 H100 (``EngineConfig``: 29,000 KV blocks of 16 tokens) serving the model's 131,072-token
 context. A request whose prompt + output exceeds that context (capped by what one engine's
@@ -42,7 +50,9 @@ an error and in ``refused_too_long``, and the run goes on.
 What is not simulated: HTTP and client overheads, the router's own CPU time (the router
 here decides instantly), KV-event transport lag (events are applied at the step that
 emits them), the P/D decider (every request is disaggregated) and leg retries, probes,
-failures, scrape lag beyond the interval, and flow control's rate limits.
+failures, scrape lag beyond the interval, clients retrying a refusal (a refused request is
+not sent again), and rate limits shared with other router processes or replicas (one
+router is simulated).
 """
 
 from __future__ import annotations
@@ -81,6 +91,12 @@ from switchyard.router.app import RouterApp
 from switchyard.router.flow.control import queue_limits_of, thresholds_of
 from switchyard.router.flow.identity import DEFAULT_TENANT, Identity
 from switchyard.router.flow.queue import FlowQueue, Queued, Refused
+from switchyard.router.flow.ratelimit import (
+    RateLimited,
+    RateLimits,
+    Reservation,
+    TenantRateLimiter,
+)
 from switchyard.router.flow.saturation import saturated
 from switchyard.router.forward import queued_prefill
 from switchyard.router.pd.pools import Pools
@@ -606,7 +622,8 @@ class SimFlow:
     """The router's flow control over a simulated fleet, on its clock in the report's (wall)
     seconds: ``FlowQueue`` decides who goes next and ``saturated`` whether a worker has room,
     as ``router.flow.control`` drives them, with the dispatch routed at once (so there is no
-    "starting" state to wait for) and the engines' metrics from periodic scrapes."""
+    "starting" state to wait for) and the engines' metrics from periodic scrapes; the
+    tenants' rate limits are ``TenantRateLimiter``'s, reserved before anything else."""
 
     def __init__(
         self,
@@ -624,6 +641,8 @@ class SimFlow:
         self.refused = refused
         self.thresholds = thresholds_of(flow)
         self.queue = FlowQueue(queue_limits_of(flow), self.clock)
+        limits = RateLimits(flow.tenant_tokens_per_minute, flow.tenant_requests_per_minute)
+        self.limiter = TenantRateLimiter(limits, self.clock) if limits.enabled else None
         dp = cfg.dp_size
         self.views = {
             w.id: _Scraped(w, fleet.cores[i * dp : (i + 1) * dp])
@@ -635,7 +654,8 @@ class SimFlow:
         self.tick = -1  # the last scrape, in intervals from the start
         self.arrived: dict[str, float] = {}  # request id -> arrival (model time), if queued
         self.waits: dict[int, float] = {}  # request index -> its wait in the queue, seconds
-        self.serving: dict[str, str] = {}  # request id -> tenant, until its end is charged
+        # request id -> tenant and its rate-limit reservation, until its end is charged
+        self.serving: dict[str, tuple[str, Reservation | None]] = {}
 
     def clock(self) -> float:
         return self.fleet.now / self.speed
@@ -675,7 +695,9 @@ class SimFlow:
         return False
 
     def arrive(self, index: int, ids: list[int], max_tokens: int) -> None:
-        """``FlowControl.admit`` at the request's arrival (``fleet.now``)."""
+        """``FlowControl.admit`` at the request's arrival (``fleet.now``): the rate limit
+        first, then at once, queued or refused; a request refused after its reservation
+        gives it back."""
         self.catch_up()
         t = self.fleet.now
         workload = self.workload
@@ -683,43 +705,67 @@ class SimFlow:
             f"r{index}", ids, max_tokens, output_token_ids=workload.output_token_ids
         )
         identity = Identity(workload.tenant(index), workload.priority(index))
+        tenant = identity.tenant
+        reservation = None
+        if self.limiter is not None:
+            try:
+                reservation = self.limiter.reserve(tenant, len(ids), max_tokens)
+            except RateLimited as limited:
+                self.refuse(index, tenant, len(ids), t, limited.reason)
+                return
         queue = self.queue
         if not len(queue) and self.can_serve(MODEL, len(ids)):
-            self.dispatch(index, identity.tenant, request, t)
+            self.dispatch(index, tenant, request, t, reservation)
             return
         if identity.sheddable and not self.can_serve(MODEL, len(ids)):
-            self.refuse(index, identity.tenant, len(ids), t, "shed")
+            self.cancel(reservation)
+            self.refuse(index, tenant, len(ids), t, "shed")
             return
         size = len(ids) * CHARS_PER_TOKEN
-        item = Queued(identity, MODEL, size, len(ids), self.clock(), (index, request, t))
+        payload = (index, request, t, reservation)
+        item = Queued(identity, MODEL, size, len(ids), self.clock(), payload)
         try:
             queue.push(item)
         except Refused:
-            self.refuse(index, identity.tenant, len(ids), t, "queue_full")
+            self.cancel(reservation)
+            self.refuse(index, tenant, len(ids), t, "queue_full")
             return
         self.pump()
+
+    def cancel(self, reservation: Reservation | None) -> None:
+        """``FlowControl._cancel``: refund a request that never reached an engine."""
+        if reservation is not None and self.limiter is not None:
+            self.limiter.cancel(reservation)
 
     def pump(self) -> None:
         """``FlowControl.pump``: refuse the expired, dispatch while some worker has room."""
         queue = self.queue
         for expired in queue.expire():
-            index, request, t = expired.payload
+            index, request, t, reservation = expired.payload
             tenant = expired.identity.tenant
+            self.cancel(reservation)
             self.refuse(index, tenant, len(request.prompt_token_ids), t, "queue_timeout")
         while len(queue):
             item = queue.pop(self.can_serve)
             if item is None:
                 break
-            index, request, t = item.payload
-            self.dispatch(index, item.identity.tenant, request, t)
+            index, request, t, reservation = item.payload
+            self.dispatch(index, item.identity.tenant, request, t, reservation)
 
-    def dispatch(self, index: int, tenant: str, request: EngineRequest, arrived: float) -> None:
+    def dispatch(
+        self,
+        index: int,
+        tenant: str,
+        request: EngineRequest,
+        arrived: float,
+        reservation: Reservation | None = None,
+    ) -> None:
         """Route the request now (KV-aware against the fleet as it is now) and start it."""
         fleet = self.fleet
         t = fleet.now
         rid = request.request_id
         fleet.submit(t, self.router.route(fleet, t, request), request)
-        self.serving[rid] = tenant
+        self.serving[rid] = (tenant, reservation)
         if t > arrived:
             self.arrived[rid] = arrived
             self.waits[index] = (t - arrived) / self.speed
@@ -736,11 +782,15 @@ class SimFlow:
         self.refused.append(res)
 
     def finished(self, fleet: VirtualFleet, res: RequestResult) -> None:
-        """``FlowControl.release``: charge the tenant what it was served, then pump."""
+        """``FlowControl.release``: charge the tenant what it was served (its fair share, and
+        its rate limit settled on the real tokens), then pump."""
         self.router.finished(fleet, res)
-        tenant = self.serving.pop(res.request_id, None)
-        if tenant is not None:
+        served = self.serving.pop(res.request_id, None)
+        if served is not None:
+            tenant, reservation = served
             self.queue.charge(tenant, res.prompt_tokens, res.output_tokens)
+            if reservation is not None and self.limiter is not None:
+                self.limiter.settle(reservation, res.prompt_tokens, res.output_tokens)
         if len(self.queue):
             self.pump()
 
@@ -945,6 +995,8 @@ def simulate(cfg: SimConfig, on_run: Callable[[PolicyRun], None] | None = None) 
         raise ValueError("speed must be positive")
     if not cfg.policies:
         raise ValueError("no policy given")
+    flow = cfg.flow_settings
+    RateLimits(flow.tenant_tokens_per_minute, flow.tenant_requests_per_minute)  # no negative
     started = time.perf_counter()
     engine = cfg.engine()
     for policy in cfg.policies:
