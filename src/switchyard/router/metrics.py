@@ -7,8 +7,11 @@ and the fleet's gauges are collected at scrape time by ``router.control``.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import math
 import os
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
@@ -274,10 +277,24 @@ class KVMetrics:
         self.key_cache_miss = key_cache.labels("miss")
 
 
-# Flow control's tenant label: the first this many tenants seen have their own, the rest
+# Flow control's tenant label: at most this many tenants have their own at a time, the rest
 # share OTHER_TENANT, so a trusted header's values cannot grow the label set without bound.
+# The labels go to the tenants served the most tokens lately, not to the first seen, so a
+# burst of tenants early (health checks, a test key) does not keep a heavier tenant that
+# comes later under OTHER_TENANT.
 MAX_TENANT_LABELS = 20
 OTHER_TENANT = "other"
+# A tenant's served tokens count half after this long in its rank: minutes, so the labels
+# follow who is served now, yet stay put across the scrapes of a dashboard's window.
+TENANT_RANK_HALF_LIFE_S = 300.0
+# A tenant takes the label of the lightest labelled one only with more than this many
+# times its decayed tokens, so two tenants of like traffic do not swap the label back and forth.
+TENANT_RANK_MARGIN = 1.5
+# Tenants whose traffic is followed beyond the labelled ones: past twice this many the
+# lightest are forgotten, so a flood of tenant names costs bounded memory.
+_RANKED_TENANTS = 8 * MAX_TENANT_LABELS
+_RESCALE_HALF_LIVES = 30.0
+_TOKEN_KINDS = ("prompt", "output")
 FLOW_OUTCOMES = (
     "dispatched",
     "queue_full",
@@ -296,12 +313,40 @@ def band_label(priority: int) -> str:
 
 class FlowMetrics:
     """Flow control's metrics on the router's registry; the queue's sizes and the saturated
-    models are read at scrape time (``watch``), so waiting costs nothing to count."""
+    models are read at scrape time (``watch``), so waiting costs nothing to count.
 
-    def __init__(self, metrics: RouterMetrics) -> None:
+    The tenant label: the first ``MAX_TENANT_LABELS`` tenants seen take one each; after
+    that a tenant takes one from the labelled tenant with the fewest served tokens lately
+    (prompt and output, halving every ``TENANT_RANK_HALF_LIFE_S``) once it has more than
+    ``TENANT_RANK_MARGIN`` times as many, ranked in ``flush_served`` so that ``served``
+    stays a dict update. A tenant's own series counts from when it took the label; before
+    that and after it loses the label, its tokens count under ``OTHER_TENANT``.
+
+    The evicted tenant's ``served_tokens`` series are removed, so a scrape shows at most
+    ``MAX_TENANT_LABELS`` tenants and ``OTHER_TENANT``; should it take a label again, its
+    series starts again from zero, which ``rate()`` reads as a counter reset. Under
+    ``--processes`` (``METRICS_DIR_ENV``) no series can be removed, since each process's
+    samples live in its metric files, which prometheus_client cannot delete from and which
+    every /metrics sums as they stand: there the evicted tenant's series stays at its last
+    value, and so a process lets at most twice ``MAX_TENANT_LABELS`` tenants ever take a
+    label, after which only those take one back (resuming their series). Each process
+    ranks the traffic it served, so the summed /metrics carries the union of the
+    processes' labels, the same tenants while each tenant's requests spread over them.
+    """
+
+    def __init__(self, metrics: RouterMetrics, clock: Callable[[], float] = time.monotonic) -> None:
         r = metrics.registry
         self._router = metrics
-        self._tenants: dict[str, str] = {}
+        self._clock = clock
+        self._labelled: set[str] = set()
+        # Decayed tokens served per tenant, in units that grow by 2x every half-life from
+        # ``_origin`` (so decay needs no pass over them): comparable as they stand.
+        self._scores: dict[str, float] = {}
+        self._origin = clock()
+        # The served_tokens children by (tenant label, kind); under --processes also of the
+        # evicted tenants, whose samples stay in the files.
+        self._counters: dict[tuple[str, str], Any] = {}
+        self._ever_labelled: set[str] = set()  # under --processes only
         self.outcomes = Counter(
             "switchyard_router_flow_outcomes",
             "Flow control's answers to requests that did not pass straight through: "
@@ -320,7 +365,9 @@ class FlowMetrics:
         )
         self.served_tokens = Counter(
             "switchyard_router_flow_served_tokens",
-            "Tokens served per tenant (the fair share's input), by kind: prompt or output.",
+            "Tokens served per tenant (the fair share's input), by kind: prompt or output. "
+            "The tenants served the most tokens lately have their own tenant label, the "
+            "rest share 'other', so that the series stay few.",
             ["tenant", "kind"],
             registry=r,
         )
@@ -329,12 +376,74 @@ class FlowMetrics:
         metrics.before_scrape.append(self.flush_served)
 
     def tenant_label(self, tenant: str) -> str:
-        label = self._tenants.get(tenant)
-        if label is None:
-            label = tenant if len(self._tenants) < MAX_TENANT_LABELS else OTHER_TENANT
-            if label != OTHER_TENANT:
-                self._tenants[tenant] = label
-        return label
+        """The tenant's label now: its own while it holds one, else ``OTHER_TENANT``. A
+        tenant seen while fewer than ``MAX_TENANT_LABELS`` hold one takes one at once."""
+        if tenant in self._labelled:
+            return tenant
+        if len(self._labelled) < MAX_TENANT_LABELS and self._may_label(tenant):
+            self._grant(tenant)
+            return tenant
+        return OTHER_TENANT
+
+    def _may_label(self, tenant: str) -> bool:
+        if tenant == OTHER_TENANT:  # its own label would be the shared series
+            return False
+        if not self._files:
+            return True
+        return tenant in self._ever_labelled or len(self._ever_labelled) < 2 * MAX_TENANT_LABELS
+
+    def _grant(self, tenant: str) -> None:
+        self._labelled.add(tenant)
+        if self._files:
+            self._ever_labelled.add(tenant)
+
+    def _evict(self, tenant: str) -> None:
+        self._labelled.discard(tenant)
+        if self._files:
+            return  # its samples stay in the files; its children resume if it comes back
+        for kind in _TOKEN_KINDS:
+            if self._counters.pop((tenant, kind), None) is not None:
+                self.served_tokens.remove(tenant, kind)
+
+    def _scale(self, now: float) -> float:
+        """Score units per token at ``now``; rescales the scores when it has grown large."""
+        exponent = (now - self._origin) / TENANT_RANK_HALF_LIFE_S
+        if exponent <= _RESCALE_HALF_LIVES:
+            return math.exp2(exponent)
+        factor = math.exp2(exponent)
+        self._origin = now
+        self._scores = {
+            tenant: score / factor
+            for tenant, score in self._scores.items()
+            if score >= factor or tenant in self._labelled  # forgotten below a token
+        }
+        return 1.0
+
+    def _rank(self, tenants: Iterable[str]) -> None:
+        """Give labels to the heaviest of ``tenants`` (those just served) that have none:
+        a free one, or the lightest labelled tenant's when outweighing it by the margin.
+        Decay keeps the order of the others, so only those just served can move up."""
+        scores = self._scores
+        candidates = sorted(
+            (t for t in tenants if t not in self._labelled),
+            key=scores.__getitem__,
+            reverse=True,
+        )
+        for tenant in candidates:
+            if not self._may_label(tenant):
+                continue
+            if len(self._labelled) < MAX_TENANT_LABELS:
+                self._grant(tenant)
+                continue
+            lightest = min(self._labelled, key=lambda t: scores.get(t, 0.0))
+            if scores[tenant] <= scores.get(lightest, 0.0) * TENANT_RANK_MARGIN:
+                break  # the rest are lighter still
+            self._evict(lightest)
+            self._grant(tenant)
+        if len(scores) > 2 * _RANKED_TENANTS:
+            others = (t for t in scores if t not in self._labelled)
+            kept = heapq.nlargest(_RANKED_TENANTS, others, key=scores.__getitem__)
+            self._scores = {t: scores[t] for t in (*kept, *self._labelled) if t in scores}
 
     def outcome(self, name: str) -> None:
         self._outcomes[name].inc()
@@ -356,14 +465,25 @@ class FlowMetrics:
             pending[1] += output_tokens
 
     def flush_served(self) -> None:
+        """Rank the tenants with the tokens counted since the last flush, then count those
+        into the counter under the labels that ranking left."""
         served, self._served = self._served, {}
-        m = self._router
+        if not served:
+            return
+        scale = self._scale(self._clock())
+        scores = self._scores
         for tenant, (prompt_tokens, output_tokens) in served.items():
-            label = self.tenant_label(tenant)
-            if prompt_tokens:
-                m.child(self.served_tokens, label, "prompt").inc(prompt_tokens)
-            if output_tokens:
-                m.child(self.served_tokens, label, "output").inc(output_tokens)
+            scores[tenant] = scores.get(tenant, 0.0) + (prompt_tokens + output_tokens) * scale
+        self._rank(served)
+        counters = self._counters
+        for tenant, tokens in served.items():
+            label = tenant if tenant in self._labelled else OTHER_TENANT
+            for kind, count in zip(_TOKEN_KINDS, tokens, strict=True):
+                if count:
+                    counter = counters.get((label, kind))
+                    if counter is None:
+                        counter = counters[label, kind] = self.served_tokens.labels(label, kind)
+                    counter.inc(count)
 
     def watch(
         self,
@@ -388,7 +508,8 @@ class _FlowGauges(Collector):
     def collect(self) -> Iterator[Metric]:
         queued = GaugeMetricFamily(
             "switchyard_router_flow_queued",
-            "Requests waiting in the router's queue, by priority band and tenant.",
+            "Requests waiting in the router's queue, by priority band and tenant (the "
+            "tenants served the most tokens lately by name, the rest as 'other').",
             labels=["band", "tenant"],
         )
         totals: dict[tuple[str, str], int] = {}
