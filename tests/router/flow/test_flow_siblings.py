@@ -16,6 +16,7 @@ from switchyard.router.flow.control import (
     ANNOUNCE_S,
     CONTENDER_TTL_S,
     TOPIC,
+    TURN_S,
     FlowControl,
 )
 from switchyard.router.flow.identity import Identity
@@ -33,6 +34,8 @@ class Clock:
 
 class Bus:
     """The sibling bus as flow control uses it: handlers by topic, messages sent."""
+
+    instance = "b-this"
 
     def __init__(self) -> None:
         self.handlers: dict[bytes, object] = {}
@@ -80,6 +83,37 @@ def test_a_waiting_sibling_halves_this_process_part_of_the_prefill_cap() -> None
     assert not flow.can_serve("m")  # 2500 of its 2000-token part
     bus.hear("sibling", b"0")
     assert flow.can_serve("m")
+
+
+def test_a_drained_worker_takes_a_long_prompt_from_each_contender_in_turn() -> None:
+    """A prompt past this process's part goes only to a drained worker, and only in this
+    process's turn there: the sibling whose prompt just drained hears of it first, and
+    would otherwise take the worker again each time."""
+    flow, fleet, bus, clock = flow_control(prefill_cap=2048)
+    (worker,) = fleet.workers()
+    worker.inflight = 1  # a sibling's request, decoding: the worker has drained
+    assert flow.can_serve("m", 2000)  # alone: no turns
+    bus.hear("a-sibling", b"1")  # sorts first: contender 0, this process contender 1
+    clock.now = 10 * TURN_S  # epoch 10: worker 0 is contender (0 + 10) % 2 == 0's
+    assert flow.turns("m", fleet.workers(), clock.now) == frozenset()
+    assert not flow.can_serve("m", 2000)
+    assert flow.can_serve("m", 100)  # a prompt within its part needs no turn
+    clock.now += TURN_S
+    assert flow.turns("m", fleet.workers(), clock.now) == {worker.id}
+    assert flow.can_serve("m", 2000)
+
+
+def test_turns_split_a_models_workers_between_the_contenders() -> None:
+    flow, fleet, bus, clock = flow_control()
+    for port in (2, 3, 4):
+        fleet.add(WorkerSpec(f"http://127.0.0.1:{port}", models=["m"]))
+    bus.hear("a-sibling", b"1")
+    bus.hear("c-sibling", b"1")
+    workers = fleet.workers()
+    mine = flow.turns("m", workers, clock.now)
+    later = flow.turns("m", workers, clock.now + TURN_S)
+    assert mine is not None and later is not None
+    assert 1 <= len(mine) <= 2 and mine != later  # 4 workers over 3 contenders, rotating
 
 
 def test_a_sibling_not_heard_from_for_a_while_no_longer_counts() -> None:

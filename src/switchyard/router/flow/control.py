@@ -56,6 +56,11 @@ TOPIC = b"flow"  # sibling-bus topic: b"1" while a process has requests waiting,
 ANNOUNCE_S = 0.5  # a waiting process says so again this often
 # A sibling not heard saying it waits for this long is taken not to (it may have died).
 CONTENDER_TTL_S = 3 * ANNOUNCE_S
+# A drained worker's turn (``saturation``) passes from one contending process to the next
+# this often, on the monotonic clock, which the processes of one host share, so they agree
+# whose turn it is without a message. Short, since a turn whose holder has no long prompt
+# waiting leaves that worker's prefill idle until it passes.
+TURN_S = 0.2
 # Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
 _RATE_SAMPLES = 16
 # A request is refused on arrival when its expected wait passes this share of the TTL:
@@ -180,6 +185,7 @@ class FlowControl:
         self._pump_soon = False
         self.siblings = siblings
         self._waiting_siblings: dict[str, float] = {}  # origin -> when it last said so
+        self._sorted_ids: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._announced_at: float | None = None  # when this process last said it waits
         if siblings is not None:
             siblings.on(TOPIC, self._heard)
@@ -203,6 +209,30 @@ class FlowControl:
             return 1
         return 1 + sum(1 for heard in waiting.values() if now - heard <= CONTENDER_TTL_S)
 
+    def turns(self, model: str, candidates: list[Worker], now: float) -> frozenset[str] | None:
+        """The workers of ``model`` on which it is this process's turn to put a prompt
+        longer than its part once drained; None while no sibling contends (every one).
+        Worker ``i`` of the sorted ids is the turn of contender ``(i + epoch) % k``, the
+        contenders sorted by bus id and the epoch counted in ``TURN_S``."""
+        siblings = self.siblings
+        if siblings is None or not self._waiting_siblings:
+            return None
+        contending = [
+            o for o, heard in self._waiting_siblings.items() if now - heard <= CONTENDER_TTL_S
+        ]
+        if not contending:
+            return None
+        contending.append(siblings.instance)
+        contending.sort()
+        k = len(contending)
+        me = contending.index(siblings.instance)
+        ids = tuple(w.id for w in candidates)
+        cached = self._sorted_ids.get(model)
+        if cached is None or cached[0] != ids:
+            cached = self._sorted_ids[model] = (ids, tuple(sorted(ids)))
+        epoch = int(now / TURN_S)
+        return frozenset(w for i, w in enumerate(cached[1]) if (i + epoch) % k == me)
+
     def free_workers(self, candidates: list[Worker], now: float) -> int:
         """How many of ``candidates`` are not saturated."""
         free = 0
@@ -225,8 +255,10 @@ class FlowControl:
         thresholds = self.thresholds
         now = self.clock()
         contenders = self.contenders(now)
+        turns = self.turns(model, candidates, now) if contenders > 1 else None
         for worker in candidates:  # stops at the first free one beyond those
-            if not saturated(worker, thresholds, now, contenders, prompt_tokens):
+            turn = turns is None or worker.id in turns
+            if not saturated(worker, thresholds, now, contenders, prompt_tokens, turn):
                 if not needed:
                     return True
                 needed -= 1

@@ -22,7 +22,9 @@ requests: a shared cap goes to whichever process looks first when a slot frees (
 whose request just ended), and another's waiting requests, a quiet tenant's among them,
 would starve behind it. A prompt longer than its part waits for the worker to drain of
 every process's prefill, so the processes' parts do not add up to several long prompts
-queued on one engine.
+queued on one engine. The drained worker then goes to the process whose ``turn`` it is
+there: the process whose prompt just drained hears of it first and would otherwise take
+it again and again, leaving a sibling's long prompts to wait out the queue's TTL.
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ def saturated(
     now: float,
     contenders: int = 1,
     prompt_tokens: int = 0,
+    turn: bool = True,
 ) -> bool:
     """Whether ``worker`` should take no new request of ``prompt_tokens`` now (``now`` on
     the monotonic clock); ``contenders``: this process and those of its siblings with
-    requests waiting.
+    requests waiting; ``turn``: whether this process may put a prompt longer than its part
+    of the prefill cap on the worker once it has drained.
 
     Called for every candidate on the fast path, so it only reads attributes.
     """
@@ -72,8 +76,12 @@ def saturated(
         own = totals.prefill_tokens
         if cap and own and own * contenders >= cap:
             return True
-        if cap and (own + prompt_tokens) * contenders > cap and own + totals.remote_prefill_tokens:
-            return True  # past its part, and the worker has not drained
+        if (
+            cap
+            and (own + prompt_tokens) * contenders > cap
+            and (own + totals.remote_prefill_tokens or not turn)
+        ):
+            return True  # past its part, and the worker has not drained or is not its turn
     else:
         if thresholds.max_inflight and inflight >= thresholds.max_inflight:
             return True
