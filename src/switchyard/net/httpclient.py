@@ -303,7 +303,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
-        self.fd = -1  # the socket's, polled before reuse
+        self.poller: select.poll | None = None  # the socket's, polled before reuse
 
     def send(self, head: bytes, body: bytes, head_only: bool = False) -> asyncio.Future[Response]:
         """Write a request; the future resolves with its response at the head."""
@@ -341,12 +341,11 @@ class _Connection(asyncio.Protocol):
         take a request: a worker that closed it (its keep-alive timer, a restart) sent a
         FIN the loop has not read yet. One poll, not ``select`` (which fails past fd 1024);
         it is what lets the pool never resend a request."""
-        if self.fd < 0:
+        poller = self.poller
+        if poller is None:
             return True
-        poller = select.poll()
         try:
-            poller.register(self.fd, select.POLLIN)
-            return bool(poller.poll(0))
+            return bool(poller.poll(0))  # a closed fd reports POLLNVAL: unusable too
         except (OSError, ValueError):
             return True
 
@@ -356,7 +355,11 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            self.fd = sock.fileno()
+            try:  # registered once: ``unread`` runs before every request on the connection
+                self.poller = select.poll()
+                self.poller.register(sock.fileno(), select.POLLIN)
+            except (OSError, ValueError):
+                self.poller = None
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:  # bytes nobody asked for: the connection is not reusable
