@@ -163,6 +163,9 @@ class KVStore:
         # index operations from this one also stop trusting that instance's entries.
         self.on_stale: Callable[[str, bool], None] | None = None
         self._stale_from_sibling: set[str] = set()
+        # Instances with a stale feed here or in the sibling, kept at each change: ``stale``
+        # is asked for every candidate of every request.
+        self._stale: set[str] = set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -413,9 +416,7 @@ class KVStore:
     def stale(self, instance: str) -> bool:
         """Whether a feed of ``instance`` lost its publisher and has not resynced yet (here,
         or in the sibling process that follows the events for this one)."""
-        if instance in self._stale_from_sibling:
-            return True
-        return any(f.stale for f in self._subscribers_of(instance))
+        return instance in self._stale
 
     def stale_from_sibling(self, instance: str, stale: bool) -> None:
         """The sibling process that follows the events found ``instance``'s feed stale, or
@@ -584,7 +585,13 @@ class KVStore:
         )
 
     def _show_stale(self, instance: str) -> None:
-        stale = self.stale(instance)
+        stale = instance in self._stale_from_sibling or any(
+            f.stale for f in self._subscribers_of(instance)
+        )
+        if stale:
+            self._stale.add(instance)
+        else:
+            self._stale.discard(instance)
         m = self.metrics
         m.child(m.feed_stale, instance).set(1 if stale else 0)
         if self.on_stale is not None and not self.events_from_sibling:
@@ -687,7 +694,9 @@ class KVStore:
         if not self.events_from_sibling:
             return
         self.events_from_sibling = False
-        self._stale_from_sibling.clear()  # this process's own feeds say it from now on
+        cleared, self._stale_from_sibling = self._stale_from_sibling, set()
+        for instance in cleared:  # this process's own feeds say it from now on
+            self._show_stale(instance)
         if self._started:
             for sub in self._subscribers.values():
                 sub.start()
