@@ -36,6 +36,7 @@ from switchyard.router.connections import CLIENT_GONE, STREAM_WRITER
 from switchyard.router.control import build_control_app
 from switchyard.router.errors import RouterError
 from switchyard.router.flow.control import (
+    UNREAD,
     FlowControl,
     Grant,
     served_tokens,
@@ -517,6 +518,7 @@ class RouterApp:
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
+            counted: int | None = UNREAD
             if ctx is not None and (ctx.prefix is None or not ctx.prefix.exact):
                 counted = usage_prompt_tokens(ctx.tail)  # the engine's count, untokenized here
                 if counted is not None and req is not None:
@@ -524,7 +526,9 @@ class RouterApp:
             if grant is not None:
                 assert self.flow is not None
                 if ctx is not None:
-                    prompt, output = served_tokens(ctx.tail, ctx.prompt_tokens, ctx.generated)
+                    prompt, output = served_tokens(
+                        ctx.tail, ctx.prompt_tokens, ctx.generated, counted
+                    )
                     self.flow.release(grant, prompt, output)
                 else:
                     self.flow.release(grant, 0, 0)

@@ -88,10 +88,16 @@ def usage_prompt_tokens(tail: bytes) -> int | None:
     return _last_number(tail, _PROMPT_KEY) if tail else None
 
 
-def served_tokens(tail: bytes, prompt_estimate: int, generated: int) -> tuple[int, int]:
+UNREAD = -1  # ``served_tokens``: the caller has not read the usage's prompt tokens yet
+
+
+def served_tokens(
+    tail: bytes, prompt_estimate: int, generated: int, counted: int | None = UNREAD
+) -> tuple[int, int]:
     """(prompt, output) tokens an answer cost: the engine's ``usage`` where the answer (or a
-    stream's tail) holds it, else the router's prompt estimate and the relay's token count."""
-    prompt = usage_prompt_tokens(tail)
+    stream's tail) holds it, else the router's prompt estimate and the relay's token count;
+    ``counted``: ``usage_prompt_tokens(tail)`` where the caller has read it already."""
+    prompt = usage_prompt_tokens(tail) if counted == UNREAD else counted
     if prompt is None:
         return prompt_estimate, generated
     output = _last_number(tail, _COMPLETION_KEY)
