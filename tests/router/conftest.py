@@ -1,5 +1,5 @@
 """Fixtures for router tests: scriptable stub workers (in the test's event loop or in a
-thread) and routers as real processes."""
+thread), routers as real processes, and metrics in multiprocess mode."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prometheus_client import values
 
+from switchyard.router.metrics import (
+    METRICS_DIR_ENV,
+    flush_metric_files_on,
+    write_metrics_behind,
+)
 from tests.router.stub_backend import StubBackend
 from tests.support import Server, free_port, one_process
 
@@ -68,3 +74,16 @@ async def engine() -> AsyncIterator[StubBackend]:
 async def engine2() -> AsyncIterator[StubBackend]:
     async with StubBackend() as backend:
         yield backend
+
+
+@pytest.fixture
+def metric_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Multiprocess mode in this directory, prometheus_client's value class put back after."""
+    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
+    original = values.ValueClass
+    write_metrics_behind()
+    try:
+        yield tmp_path
+    finally:
+        flush_metric_files_on(None)
+        values.ValueClass = original

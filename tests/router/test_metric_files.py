@@ -3,35 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from switchyard.loadtest.prom import values as sample_values
 from switchyard.router.metrics import (
     FLUSH_INTERVAL_S,
-    METRICS_DIR_ENV,
     flush_metric_files,
     flush_metric_files_on,
-    write_metrics_behind,
 )
 from tests.support import eventually_async
-
-
-@pytest.fixture
-def metric_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Multiprocess mode in this directory, prometheus_client's value class put back after."""
-    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
-    original = values.ValueClass
-    write_metrics_behind()
-    try:
-        yield tmp_path
-    finally:
-        flush_metric_files_on(None)
-        values.ValueClass = original
 
 
 def summed(directory: Path, name: str, **labels: str) -> float:

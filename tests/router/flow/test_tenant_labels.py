@@ -6,24 +6,19 @@ injected clock, ranked at each ``flush_served`` as before a scrape."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from prometheus_client import CollectorRegistry, values
+from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from switchyard.router.metrics import (
     MAX_TENANT_LABELS,
-    METRICS_DIR_ENV,
     OTHER_TENANT,
     TENANT_RANK_HALF_LIFE_S,
     TENANT_RANK_MARGIN,
     FlowMetrics,
     RouterMetrics,
     flush_metric_files,
-    flush_metric_files_on,
-    write_metrics_behind,
 )
 
 SERVED = "switchyard_router_flow_served_tokens_total"
@@ -190,19 +185,6 @@ def test_a_tenant_named_other_counts_in_the_shared_series() -> None:
 
 
 # -- under --processes: the series live in the processes' metric files ------------------
-
-
-@pytest.fixture
-def metric_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Multiprocess mode in this directory, prometheus_client's value class put back after."""
-    monkeypatch.setenv(METRICS_DIR_ENV, str(tmp_path))
-    original = values.ValueClass
-    write_metrics_behind()
-    try:
-        yield tmp_path
-    finally:
-        flush_metric_files_on(None)
-        values.ValueClass = original
 
 
 def summed(directory: Path) -> CollectorRegistry:
