@@ -215,7 +215,13 @@ def traced_router(receiver: OtlpReceiver, worker_args: list[str], *extra: str) -
     port = free_port()
     argv = ["router", "--port", str(port), "--processes", "1", "--no-kv-parity"]
     argv += ["--otlp-traces-endpoint", receiver.traces_url, *worker_args, *extra]
-    env = dict(os.environ, OTEL_BSP_SCHEDULE_DELAY=EXPORT_DELAY_MS)
+    # A first request on vLLM-CPU (a P/D pair's first NIXL transfer among them) can take
+    # longer than the default first-byte deadline on a busy machine; a trace needs its answer.
+    env = dict(
+        os.environ,
+        OTEL_BSP_SCHEDULE_DELAY=EXPORT_DELAY_MS,
+        SWITCHYARD_ROUTER_TIMEOUTS__FIRST_BYTE_BASE_S="120",
+    )
     return Server(argv, port, "/ready", env=env).start(timeout=180)
 
 
