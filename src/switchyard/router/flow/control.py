@@ -180,8 +180,7 @@ class FlowControl:
         self.thresholds = thresholds_of(settings)
         self.queue = FlowQueue(queue_limits_of(settings), clock)
         limits = RateLimits(settings.tenant_tokens_per_minute, settings.tenant_requests_per_minute)
-        limited = any(limits.tokens_per_minute.values()) or any(limits.requests_per_minute.values())
-        self.limiter = TenantRateLimiter(limits, clock, share) if limited else None
+        self.limiter = TenantRateLimiter(limits, clock, share) if limits.enabled else None
         self.share = share if self.limiter is not None else None
         self.closed = False
         self._grants: dict[str, Grant] = {}  # the fast path's, one per tenant, reused
@@ -208,12 +207,16 @@ class FlowControl:
 
     # -- capacity ----------------------------------------------------------------------
 
-    def contenders(self, now: float) -> int:
-        """This process and the siblings that have requests waiting."""
+    def _contending(self, now: float) -> list[str]:
+        """The siblings heard lately saying they have requests waiting."""
         waiting = self._waiting_siblings
         if not waiting:
-            return 1
-        return 1 + sum(1 for heard in waiting.values() if now - heard <= CONTENDER_TTL_S)
+            return []
+        return [origin for origin, heard in waiting.items() if now - heard <= CONTENDER_TTL_S]
+
+    def contenders(self, now: float) -> int:
+        """This process and the siblings that have requests waiting."""
+        return 1 + len(self._contending(now))
 
     def turns(self, model: str, candidates: list[Worker], now: float) -> frozenset[str] | None:
         """The workers of ``model`` on which it is this process's turn to put a prompt
@@ -221,12 +224,8 @@ class FlowControl:
         Worker ``i`` of the sorted ids is the turn of contender ``(i + epoch) % k``, the
         contenders sorted by bus id and the epoch counted in ``TURN_S``."""
         siblings = self.siblings
-        if siblings is None or not self._waiting_siblings:
-            return None
-        contending = [
-            o for o, heard in self._waiting_siblings.items() if now - heard <= CONTENDER_TTL_S
-        ]
-        if not contending:
+        contending = self._contending(now)
+        if siblings is None or not contending:
             return None
         contending.append(siblings.instance)
         contending.sort()
