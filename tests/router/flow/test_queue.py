@@ -374,6 +374,22 @@ def test_sizes_count_by_band_and_tenant(clock: Clock) -> None:
     assert queue.sizes() == {(0, "a"): 2, (0, "b"): 1, (1, "a"): 1, (-1, "c"): 1}
 
 
+def test_tokens_ahead_count_the_tenants_order_and_the_others_equal_turns(clock: Clock) -> None:
+    queue = make(clock)
+    first, second = req(clock, "flood", prompt=1000), req(clock, "flood", prompt=1000)
+    for item in (first, second, req(clock, "quiet", prompt=30), req(clock, "vip", 1, prompt=5)):
+        queue.push(item)
+    # the higher band's 5, then the flood's own and the quiet tenant's 30 in turn
+    assert queue.tokens_ahead_of(first) == 5 + 1000 + 30
+    assert queue.tokens_ahead_of(second) == 5 + 2000 + 30
+    assert queue.tokens_ahead(Identity("quiet", 0), 30) == 5 + 60 + 60
+    assert queue.tokens_ahead(Identity("vip", 1), 5) == 10
+    assert queue.pop() is not None  # the vip's
+    assert queue.pop() is first  # the counters level, the flood came first
+    assert queue.tokens_ahead_of(second) == 1000 + 30
+    assert queue.tokens_ahead(Identity("other", 0), 0) == 1 + 1 + 1  # a turn each
+
+
 def test_drain_hands_back_everything_and_empties_the_queue(clock: Clock) -> None:
     queue = make(clock)
     for name, priority in [("n1", 0), ("h1", 1), ("l1", -1), ("n2", 0)]:

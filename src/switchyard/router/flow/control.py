@@ -61,13 +61,20 @@ CONTENDER_TTL_S = 3 * ANNOUNCE_S
 # whose turn it is without a message. Short, since a turn whose holder has no long prompt
 # waiting leaves that worker's prefill idle until it passes.
 TURN_S = 0.2
-# Dispatches remembered to tell the rate the queue drains at; fewer seen: no estimate.
+# Dispatches remembered to tell the rate the queue drains at, in prompt tokens a second;
+# fewer seen: no estimate.
 _RATE_SAMPLES = 16
 # A request is refused on arrival when its expected wait passes this share of the TTL:
-# the drain rate swings with the prompts' sizes and the siblings' share of the caps, and
+# the drain rate swings with the siblings' share of the caps and the engines' pace, and
 # a request let in near the TTL may time out after waiting all of it, the slowest
 # refusal there is.
 _HOPELESS_SHARE = 0.25
+# A queued request is looked at again this long after it arrived, still within the
+# second in which a refusal is due, when what left the queue since tells more than the
+# arrival's estimate did (none, before enough dispatches); it is refused then if its
+# remaining wait passes this larger share of the TTL.
+SECOND_LOOK_S = 0.5
+_SECOND_LOOK_SHARE = 0.5
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
 _PROMPT_KEY = b'"prompt_tokens"'
 _COMPLETION_KEY = b'"completion_tokens"'
@@ -136,6 +143,17 @@ def refusal(status: int, reason: str, message: str, retry_after_s: float | None)
     return RouterError(status, message, code=reason, headers=headers)
 
 
+def _hopeless(wait_s: float, ttl_s: float) -> RouterError:
+    """The refusal of a request that would wait ``wait_s``, too near the TTL."""
+    return refusal(
+        429,
+        "queue_full",
+        f"This request would wait about {wait_s:.0f} s for a worker, too near "
+        f"the queue's {ttl_s:g} s; retry later",
+        min(max(1.0, wait_s - ttl_s * _HOPELESS_SHARE), ttl_s),
+    )
+
+
 def thresholds_of(settings: FlowSettings) -> Thresholds:
     """When a worker counts as saturated, from the router's ``flow`` settings."""
     return Thresholds(
@@ -186,7 +204,13 @@ class FlowControl:
         self._grants: dict[str, Grant] = {}  # the fast path's, one per tenant, reused
         self._starting: dict[str, int] = {}  # model -> dispatched, worker not yet chosen
         self._timer: asyncio.TimerHandle | None = None
-        self._dispatched_at: deque[float] = deque(maxlen=_RATE_SAMPLES)
+        # (when on the busy clock, prompt tokens): the clock stands still while nothing
+        # waits, so an idle hour does not read as a slow queue once requests wait again
+        self._dispatched: deque[tuple[float, int]] = deque()
+        self._dispatched_tokens = 0
+        self._idle_s = 0.0  # time with nothing queued, before ``_idle_since``
+        self._idle_since: float | None = clock()
+        self._arrivals: deque[Queued] = deque()  # queued, awaiting their second look
         self._pump_soon = False
         self.siblings = siblings
         self._waiting_siblings: dict[str, float] = {}  # origin -> when it last said so
@@ -349,7 +373,7 @@ class FlowControl:
                     "Every worker is saturated; sheddable request refused",
                     self.retry_after_s,
                 )
-            self._refuse_if_hopeless(identity)
+            self._refuse_if_hopeless(identity, prompt_tokens)
             waiter = _Waiter(asyncio.get_running_loop().create_future(), reservation)
             item = Queued(identity, model, size_bytes, prompt_tokens, self.clock(), waiter)
             try:
@@ -365,6 +389,9 @@ class FlowControl:
         except RouterError:
             self._cancel(reservation)
             raise
+        self._busy()
+        if self.queue.limits.ttl_s:
+            self._arrivals.append(item)
         self.pump()
         future = waiter.future
         try:
@@ -380,45 +407,71 @@ class FlowControl:
             self._cancel(reservation)
             raise
 
-    def expected_wait_s(self, identity: Identity) -> float | None:
-        """How long a new request of ``identity`` would wait in the queue: what goes before
-        it (every request of a higher band; in its band, its tenant's own and, from each
-        other tenant, as many as its own plus one, since tenants take equal turns) at the
-        rate requests left the queue lately, the time since the last one included so that a
-        stalled queue counts as slow. None until enough dispatches tell a rate."""
-        times = self._dispatched_at
+    def drain_rate(self) -> float | None:
+        """Prompt tokens a second that left the queue over the last ``_RATE_SAMPLES``
+        dispatches, the time since the last one included so that a stalled queue counts
+        as slow; None until that many were seen. In tokens, not requests, since a quiet
+        tenant's short prompts leave many times faster than a flood's long ones."""
+        times = self._dispatched
         if len(times) < _RATE_SAMPLES:
             return None
-        span = self.clock() - times[0]
-        if span <= 0:
-            return 0.0
-        sizes = self.queue.sizes()
-        own = sizes.get((identity.priority, identity.tenant), 0)
-        ahead = own + 1
-        for (band, tenant), queued in sizes.items():
-            if band > identity.priority:
-                ahead += queued
-            elif band == identity.priority and tenant != identity.tenant:
-                ahead += min(queued, own + 1)
-        return ahead * span / len(times)
+        span = self._busy_clock() - times[0][0]
+        return self._dispatched_tokens / span if span > 0 else None
 
-    def _refuse_if_hopeless(self, identity: Identity) -> None:
+    def _busy(self) -> None:
+        """Requests wait now: the busy clock runs again."""
+        if self._idle_since is not None:
+            self._idle_s += self.clock() - self._idle_since
+            self._idle_since = None
+
+    def _busy_clock(self) -> float:
+        """Time with requests queued, the current stretch included."""
+        now = self.clock()
+        idle = self._idle_s
+        if self._idle_since is not None:
+            idle += now - self._idle_since
+        return now - idle
+
+    def expected_wait_s(self, identity: Identity, prompt_tokens: int) -> float | None:
+        """How long a new request of ``identity`` with ``prompt_tokens`` would wait in the
+        queue: the tokens dispatched before it (``FlowQueue.tokens_ahead``) at the drain
+        rate. None while no rate is known."""
+        rate = self.drain_rate()
+        if rate is None:
+            return None
+        return self.queue.tokens_ahead(identity, prompt_tokens) / rate
+
+    def _refuse_if_hopeless(self, identity: Identity, prompt_tokens: int) -> None:
         """Refuse at once a request that would wait too near the queue's TTL (past
         ``_HOPELESS_SHARE`` of it): its client learns in milliseconds, not when the TTL has
         passed (a flood's excess, while every other tenant's requests still fit)."""
         ttl = self.queue.limits.ttl_s
         if not ttl or not len(self.queue):
             return
-        wait = self.expected_wait_s(identity)
+        wait = self.expected_wait_s(identity, prompt_tokens)
         if wait is not None and wait > ttl * _HOPELESS_SHARE:
             self.metrics.outcome("queue_full")
-            raise refusal(
-                429,
-                "queue_full",
-                f"This request would wait about {wait:.0f} s for a worker, too near "
-                f"the queue's {ttl:g} s; retry later",
-                min(max(1.0, wait - ttl * _HOPELESS_SHARE), ttl),
-            )
+            raise _hopeless(wait, ttl)
+
+    def _second_look(self) -> None:
+        """Refuse the queued requests, past ``SECOND_LOOK_S`` since they came, whose
+        remaining wait at the drain rate now passes ``_SECOND_LOOK_SHARE`` of the TTL."""
+        arrivals = self._arrivals
+        if not arrivals:
+            return
+        now = self.clock()
+        ttl = self.queue.limits.ttl_s
+        rate = self.drain_rate()
+        while arrivals and now - arrivals[0].enqueued_at >= SECOND_LOOK_S:
+            item = arrivals.popleft()
+            if not item.queued or not ttl or rate is None:
+                continue
+            wait = self.queue.tokens_ahead_of(item) / rate
+            if wait > ttl * _SECOND_LOOK_SHARE and self.queue.remove(item):
+                waiter: _Waiter = item.payload
+                if not waiter.future.done():
+                    self.metrics.outcome("queue_full")
+                    waiter.future.set_exception(_hopeless(wait, ttl))
 
     def _cancel(self, reservation: Reservation | None) -> None:
         if reservation is not None and self.limiter is not None:
@@ -474,6 +527,7 @@ class FlowControl:
         queue = self.queue
         for expired in queue.expire():
             self._refuse_expired(expired)
+        self._second_look()
         while len(queue):
             item = queue.pop(self.can_serve)
             if item is None:
@@ -482,9 +536,12 @@ class FlowControl:
         if len(queue):
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(PUMP_INTERVAL_S, self._tick)
-        elif self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        else:
+            if self._idle_since is None:
+                self._idle_since = self.clock()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
         if self.siblings is not None:
             self._announce(bool(len(queue)))
 
@@ -521,7 +578,11 @@ class FlowControl:
             self._cancel(waiter.reservation)
             return
         model = item.model
-        self._dispatched_at.append(self.clock())
+        dispatched = self._dispatched
+        if len(dispatched) == _RATE_SAMPLES:
+            self._dispatched_tokens -= dispatched.popleft()[1]
+        dispatched.append((self._busy_clock(), item.weight))
+        self._dispatched_tokens += item.weight
         self._starting[model] = self._starting.get(model, 0) + 1
         waiter.future.set_result(Grant(item.identity.tenant, model, waiter.reservation, True))
         self.metrics.dispatched(item.identity.priority, self.clock() - item.enqueued_at)
@@ -548,6 +609,7 @@ class FlowControl:
             self._timer = None
         if self.siblings is not None:
             self._announce(False)
+        self._arrivals.clear()
         for item in self.queue.drain():
             future = item.payload.future
             if not future.done():

@@ -61,6 +61,13 @@ class Queued:
     payload: Any = None
     queued: bool = field(default=False, init=False)  # in the queue now
     seq: int = field(default=-1, init=False, repr=False)
+    # its tenant's tokens pushed in its band before it: what is left of them stands ahead
+    mark: int = field(default=0, init=False, repr=False)
+
+    @property
+    def weight(self) -> int:
+        """Its prompt tokens, at least one: what it takes of the fleet's prefill."""
+        return self.prompt_tokens if self.prompt_tokens > 0 else 1
 
 
 class Refused(Exception):
@@ -107,17 +114,20 @@ _Entry = tuple[float, int, Queued]
 class _Member:
     """A tenant's requests in one band, one heap per model."""
 
-    __slots__ = ("tenant", "by_model", "live", "dead")
+    __slots__ = ("tenant", "by_model", "live", "dead", "tokens", "pushed", "left")
 
     def __init__(self, tenant: _Tenant) -> None:
         self.tenant = tenant
         self.by_model: dict[str, list[_Entry]] = {}
         self.live = 0
         self.dead = 0  # removed requests still in the heaps
+        self.tokens = 0  # the weights of its queued requests
+        self.pushed = 0  # the weights ever pushed, and ever left, while it was in the band
+        self.left = 0
 
 
 class _Band:
-    __slots__ = ("members", "heap", "fifo", "count", "bytes", "orphans")
+    __slots__ = ("members", "heap", "fifo", "count", "bytes", "tokens", "orphans")
 
     def __init__(self) -> None:
         self.members: dict[str, _Member] = {}
@@ -125,6 +135,7 @@ class _Band:
         self.fifo: deque[Queued] = deque()
         self.count = 0
         self.bytes = 0
+        self.tokens = 0
         self.orphans = 0  # heap entries of members that left the band
 
 
@@ -231,10 +242,15 @@ class FlowQueue:
         if heap is None:
             heap = member.by_model[item.model] = []
         heapq.heappush(heap, (self._key(item, seq), seq, item))
+        weight = item.weight
+        item.mark = member.pushed
+        member.pushed += weight
+        member.tokens += weight
         member.live += 1
         tenant.live += 1
         band.count += 1
         band.bytes += item.size_bytes
+        band.tokens += weight
         band.fifo.append(item)
         if len(band.fifo) > 2 * band.count + _COMPACT_SLACK:
             band.fifo = deque(i for i in band.fifo if i.queued)
@@ -394,10 +410,14 @@ class FlowQueue:
         in the band's heap (so it becomes an orphan if the tenant leaves the band)."""
         item.queued = False
         tenant = member.tenant
+        weight = item.weight
+        member.tokens -= weight
+        member.left += weight
         member.live -= 1
         tenant.live -= 1
         band.count -= 1
         band.bytes -= item.size_bytes
+        band.tokens -= weight
         self._len -= 1
         if member.live == 0:
             del band.members[tenant.name]
@@ -429,6 +449,38 @@ class FlowQueue:
             for priority, band in self._bands.items()
             for name, member in band.members.items()
         }
+
+    def tokens_ahead(self, identity: Identity, prompt_tokens: int) -> int:
+        """The prompt tokens dispatched before a new request of ``identity`` with
+        ``prompt_tokens``, its own included: see ``_ahead``."""
+        band = self._bands.get(identity.priority)
+        member = band.members.get(identity.tenant) if band is not None else None
+        own = (member.tokens if member is not None else 0) + max(prompt_tokens, 1)
+        return self._ahead(identity, own)
+
+    def tokens_ahead_of(self, item: Queued) -> int:
+        """The prompt tokens still to be dispatched before queued ``item``, its own
+        included (in its tenant's order of arrival: exact under FCFS, near under EDF)."""
+        member = self._bands[item.identity.priority].members[item.identity.tenant]
+        return self._ahead(item.identity, max(item.mark - member.left, 0) + item.weight)
+
+    def _ahead(self, identity: Identity, own: int) -> int:
+        """``own`` tokens of ``identity``'s tenant to go, with every higher band's before
+        them and, from each other tenant of the band, as many as ``own`` at most: VTC
+        serves the tenants of a band equal tokens in turn."""
+        total = own
+        for negated in self._order:
+            priority = -negated
+            band = self._bands[priority]
+            if priority > identity.priority:
+                total += band.tokens
+            elif priority == identity.priority:
+                for name, member in band.members.items():
+                    if name != identity.tenant:
+                        total += min(member.tokens, own)
+            else:
+                break
+        return total
 
     def by_model(self) -> dict[str, tuple[int, float]]:
         """Queued requests by model: (count, when its longest-waiting one was queued), for
