@@ -30,6 +30,12 @@ Printed per target (medians over ``--repeats``, targets in alternating order):
   /solo, /smg         B's flood p90 over its solo p90, and over smg cache_aware's flood p90
   A share             A's answered prompt+output tokens a second (its first send to its
                       last answer) over the fleet's prefill capacity
+  A / rest            the same over the rest of what the fleet serves saturated, once B's
+                      tokens a second are taken off: the share of the capacity left to
+                      it that the flood gets. "Saturated" is measured first, A alone
+                      through round_robin with flow control off, every engine's queue
+                      full (``saturated_rate``); the prefill capacity leaves out the
+                      decode steps and each step's fixed cost, which no router avoids
   refused             429/503 answers (A/B); refusal max ms: the slowest of them, which
                       should be under 1 s, each with a Retry-After (``no RA``: without)
   lost                sent - answered - refused, over both runs; must be 0
@@ -144,15 +150,21 @@ class Run:
     def lost(self) -> int:
         return len(self.results) - sum(1 for r in self.results if r.ok) - len(self.refused)
 
+    def _span_s(self) -> float:
+        """From A's first send to its last answer."""
+        flood = self.of(self.flood_tenant)
+        done = [r.done_s for r in flood if r.ok and r.done_s is not None]
+        return max(done) - min(r.sent_s for r in flood) if done else 0.0
+
+    def served_per_s(self, tenant: str) -> float:
+        """``tenant``'s answered prompt+output tokens a second over A's span."""
+        span = self._span_s()
+        tokens = sum(r.prompt_tokens + r.output_tokens for r in self.of(tenant) if r.ok)
+        return tokens / span if span > 0 else 0.0
+
     @property
     def flood_share(self) -> float:
-        flood = self.of(self.flood_tenant)
-        done = [r for r in flood if r.ok and r.done_s is not None]
-        if not done:
-            return 0.0
-        span = max(r.done_s or 0.0 for r in done) - min(r.sent_s for r in flood)
-        tokens = sum(r.prompt_tokens + r.output_tokens for r in done)
-        return tokens / span / self.capacity if span > 0 else 0.0
+        return self.served_per_s(self.flood_tenant) / self.capacity
 
 
 @dataclass
@@ -163,6 +175,8 @@ class Cell:
     p50: list[float] = field(default_factory=list)
     p90: list[float] = field(default_factory=list)
     share: list[float] = field(default_factory=list)
+    # A's tokens a second over what the saturated fleet serves less B's tokens a second
+    remaining: list[float] = field(default_factory=list)
     refused_a: list[int] = field(default_factory=list)
     refused_b: list[int] = field(default_factory=list)
     refusal_max_ms: list[float] = field(default_factory=list)
@@ -171,7 +185,7 @@ class Cell:
     reasons: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
 
-    def add(self, solo: Run, flood: Run) -> None:
+    def add(self, solo: Run, flood: Run, saturated_per_s: float) -> None:
         for run, xs in ((solo, self.solo_p90), (flood, self.p90)):
             v = run.quiet_ttft_ms(90)
             if v is not None:
@@ -179,6 +193,9 @@ class Cell:
         if (v := flood.quiet_ttft_ms(50)) is not None:
             self.p50.append(v)
         self.share.append(flood.flood_share)
+        left = saturated_per_s - flood.served_per_s(flood.quiet_tenant)
+        if left > 0:
+            self.remaining.append(flood.served_per_s(flood.flood_tenant) / left)
         refused = flood.refused
         self.refused_a.append(sum(1 for r in refused if r.tenant == flood.flood_tenant))
         self.refused_b.append(sum(1 for r in refused if r.tenant == flood.quiet_tenant))
@@ -235,6 +252,24 @@ def real_fleet(stack: ExitStack, count: int, step_tokens: int, by_priority: bool
     return fleet
 
 
+def saturated_rate(
+    fleet: MockFleet | VllmFleet, p: NoisyParams, seed: int, capacity: float, timeout_s: float
+) -> float:
+    """What the fleet serves when its engines' queues never run dry: A's tokens a second,
+    A alone at its flood rate for a quarter of the run (at least 5 s) through our router
+    with flow control off and round_robin, so every engine holds a first-come-first-served
+    queue until the last answer. The prefill capacity leaves out the decode steps and the
+    steps' fixed cost, which no router avoids; this is the capacity the flood can have."""
+    keys = f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}"
+    spec = KeyedSpec(
+        "saturated", "switchyard", "round_robin", extra=("--api-key", keys, "--no-flow-enabled")
+    )
+    short = NoisyParams(**{**vars(p), "quiet_share": 0.0, "duration_s": max(5.0, p.duration_s / 4)})
+    run = Run(run_case(fleet, spec, noisy(seed, short), timeout_s), capacity,
+              p.flood_tenant, p.quiet_tenant)  # fmt: skip
+    return run.served_per_s(p.flood_tenant)
+
+
 def run_case(
     fleet: MockFleet | VllmFleet, spec: KeyedSpec, workload: Workload, timeout_s: float
 ) -> list[Result]:
@@ -254,7 +289,8 @@ def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
     print(f"one full engine step: {step_ms:.0f} ms")
     head = (
         "| target | B solo p90 ms | B p50 ms | B p90 ms | B p90/solo | B p90/smg "
-        "| (B p90 - solo) in steps | A share | refused A/B | refusal max ms | no RA | lost |"
+        "| (B p90 - solo) in steps | A share | A / rest | refused A/B | refusal max ms "
+        "| no RA | lost |"
     )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
@@ -268,7 +304,7 @@ def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
         print(
             f"| {label} | {fmt(solo)} | {fmt(median(c.p50))} | {fmt(p90)} "
             f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(steps, '.1f')} "
-            f"| {fmt(median(c.share), '.2f')} "
+            f"| {fmt(median(c.share), '.2f')} | {fmt(median(c.remaining), '.2f')} "
             f"| {refused} | {fmt(max(c.refusal_max_ms, default=None))} | {c.no_retry_after} "
             f"| {c.lost} |"
         )
@@ -373,7 +409,20 @@ def main() -> None:
         if args.rev:
             code = worktree(stack, args.rev)
             specs[0] = replace(specs[0], label=f"{specs[0].label} @{args.rev}", code=code)
-        cells = run_all(fleet, specs, solo, flood, params, capacity, args, timeout_s)
+        saturated_per_s = saturated_rate(fleet, params, args.seed, capacity, timeout_s)
+        print(
+            f"saturated: the fleet serves {saturated_per_s:,.0f} tokens/s of A alone "
+            f"through round_robin with flow control off "
+            f"({saturated_per_s / capacity:.2f} of the prefill capacity)",
+            file=sys.stderr,
+        )
+        header += (
+            f"\nsaturated fleet: {saturated_per_s:,.0f} tokens/s "
+            f"({saturated_per_s / capacity:.2f} of the prefill capacity)"
+        )
+        cells = run_all(
+            fleet, specs, solo, flood, params, capacity, saturated_per_s, args, timeout_s
+        )
     # a full step's prompt tokens at one engine's share of the capacity
     report(cells, header, 1e3 * args.step_tokens * args.engines / capacity)
 
@@ -385,6 +434,7 @@ def run_all(
     flood: Workload,
     params: NoisyParams,
     capacity: float,
+    saturated_per_s: float,
     args: argparse.Namespace,
     timeout_s: float,
 ) -> dict[str, Cell]:
@@ -404,7 +454,7 @@ def run_all(
                 specs.remove(spec)
                 cells.pop(spec.label, None)
                 continue
-            cells[spec.label].add(*runs)
+            cells[spec.label].add(*runs, saturated_per_s)
             r = runs[1]
             print(
                 f"{spec.label} repeat {repeat + 1}: flood sent {len(r.results)}, "
