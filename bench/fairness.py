@@ -256,16 +256,16 @@ def saturated_rate(
     fleet: MockFleet | VllmFleet, p: NoisyParams, seed: int, capacity: float, timeout_s: float
 ) -> float:
     """What the fleet serves when its engines' queues never run dry: A's tokens a second,
-    A alone at its flood rate for a quarter of the run (at least 5 s) through our router
-    with flow control off and round_robin, so every engine holds a first-come-first-served
-    queue until the last answer. The prefill capacity leaves out the decode steps and the
-    steps' fixed cost, which no router avoids; this is the capacity the flood can have."""
+    A alone as in the flood run through our router with flow control off and round_robin,
+    so every engine holds a first-come-first-served queue until the last answer. The
+    prefill capacity leaves out the decode steps and the steps' fixed cost, which no
+    router avoids; this is the capacity the flood can have."""
     keys = f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}"
     spec = KeyedSpec(
         "saturated", "switchyard", "round_robin", extra=("--api-key", keys, "--no-flow-enabled")
     )
-    short = NoisyParams(**{**vars(p), "quiet_share": 0.0, "duration_s": max(5.0, p.duration_s / 4)})
-    run = Run(run_case(fleet, spec, noisy(seed, short), timeout_s), capacity,
+    alone = NoisyParams(**{**vars(p), "quiet_share": 0.0})
+    run = Run(run_case(fleet, spec, noisy(seed, alone), timeout_s), capacity,
               p.flood_tenant, p.quiet_tenant)  # fmt: skip
     return run.served_per_s(p.flood_tenant)
 
