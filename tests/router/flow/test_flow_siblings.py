@@ -129,7 +129,7 @@ async def test_a_process_says_when_requests_start_and_stop_waiting_in_it() -> No
     flow, fleet, bus, clock = flow_control(prefill_cap=4000)
     (worker,) = fleet.workers()
     worker.inflight = worker.local_inflight = 1
-    worker.totals.prefill_tokens = 5000  # saturated: a new request waits
+    worker.totals.prefill_tokens = 9000  # beyond two steps of the cap: a new request waits
     waiting = asyncio.ensure_future(flow.admit(Identity("t", 0), "m", 100, 100))
     await asyncio.sleep(0)
     assert bus.sent == [b"1"]

@@ -127,6 +127,21 @@ def test_unhealthy_or_draining_workers_take_nothing_even_when_idle() -> None:
     assert saturated(leaving, DEFAULTS, NOW)
 
 
+def test_a_short_prompt_joins_the_last_step_of_a_two_step_prompt() -> None:
+    """A prompt of 2500 tokens leaves 1596 of its second 2048-token step empty: a short
+    request put there has its first token with it, and adds no step."""
+    cap = Thresholds(max_queued_prefill_tokens=2048)
+    two_steps = worker(prefill=2500)
+    assert not saturated(two_steps, cap, NOW, prompt_tokens=200)
+    assert not saturated(two_steps, cap, NOW, contenders=2, prompt_tokens=200, turn=False)
+    assert saturated(two_steps, cap, NOW, prompt_tokens=300)  # not short: it fills the step
+    assert saturated(worker(prefill=4000), cap, NOW, prompt_tokens=200)  # adds a step
+    assert saturated(worker(prefill=5000), cap, NOW, prompt_tokens=10)  # three steps queued
+    assert saturated(worker(prefill=2048), cap, NOW, prompt_tokens=10)  # one full step
+    strict = Thresholds(max_queued_prefill_tokens=2048, max_inflight=1)
+    assert saturated(two_steps, strict, NOW, prompt_tokens=200)  # the other caps still hold
+
+
 def test_while_siblings_wait_each_process_keeps_to_its_part_of_the_caps() -> None:
     cap = Thresholds(max_queued_prefill_tokens=8000, max_inflight=4)
     # this process holds 3000 of the worker's prefill, a sibling 1000: 4000 of 8000 in all
@@ -138,7 +153,7 @@ def test_while_siblings_wait_each_process_keeps_to_its_part_of_the_caps() -> Non
     # three wait: its part is 2666 tokens, and it holds 3000 of them
     assert saturated(shared, cap, NOW, contenders=3)
     # the sibling's share is not this process's: under its part, the total does not bind
-    mine_small = worker(inflight=3, prefill=1000, remote_prefill=9000)
+    mine_small = worker(inflight=3, prefill=1000, remote_prefill=16000)
     mine_small.local_inflight = 1
     assert saturated(mine_small, cap, NOW, contenders=1)
     assert not saturated(mine_small, cap, NOW, contenders=2)

@@ -12,6 +12,14 @@ the engine's next step then holds it, rather than the step after a second long p
 The whole prompt is counted, as what the chosen worker has cached is known only once it
 is chosen; that errs toward waiting.
 
+A short prompt (an eighth of the cap at most) that fits in what is left of the last step
+of a worker's queued prefill, in steps of the cap (which an operator sets at the engines'
+step budget), adds no step to it and barely lengthens the one it joins: a prompt of two
+steps leaves its second step part empty, and a short request put there has its first
+token with that prompt's, not a step after it. So while the queued prefill is within two
+steps, such a prompt is let through whatever the cap and the processes' parts say. A long
+one is not: it would fill that step, and the next short request would wait for it.
+
 Work-conserving: a worker with nothing in flight from this router is never saturated,
 whatever its metrics say, so stale or missing metrics (or another client's load) cannot
 stall the queue for ever.
@@ -32,6 +40,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from switchyard.balancer.worker import Worker
+
+# A prompt of at most 1/this of the prefill cap is short: it may join the last step of a
+# worker's queued prefill.
+SHORT_PROMPT_SHARE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,13 +78,17 @@ def saturated(
     if inflight <= 0:
         return False
     totals = worker.totals
+    cap = thresholds.max_queued_prefill_tokens
+    if cap:
+        queued = totals.prefill_tokens + totals.remote_prefill_tokens
+        if prompt_tokens * SHORT_PROMPT_SHARE <= cap and cap < queued <= 2 * cap - prompt_tokens:
+            cap = 0  # in the queued prefill's last step
     if contenders > 1:  # this process's part of each cap, on its own requests
         if (
             thresholds.max_inflight
             and worker.local_inflight * contenders >= thresholds.max_inflight
         ):
             return True
-        cap = thresholds.max_queued_prefill_tokens
         own = totals.prefill_tokens
         if cap and own and own * contenders >= cap:
             return True
@@ -85,8 +101,6 @@ def saturated(
     else:
         if thresholds.max_inflight and inflight >= thresholds.max_inflight:
             return True
-        cap = thresholds.max_queued_prefill_tokens
-        queued = totals.prefill_tokens + totals.remote_prefill_tokens
         if cap and queued and (queued >= cap or queued + prompt_tokens > cap):
             return True
     engine = worker.engine
