@@ -450,26 +450,32 @@ class RouterApp:
             if when_gone is not None:
                 when_gone(functools.partial(self._on_client_gone, task, response))
             dispatch: Awaitable[tuple[int, str]]
+            flow = self.flow
+            if flow is not None:
+                grant = flow.grant_now(identity.tenant, req.model, req.prompt_tokens_estimate)
+                if grant is None:
+                    admit = flow.admit(
+                        identity,
+                        req.model,
+                        len(body),
+                        req.prompt_tokens_estimate,
+                        _max_tokens(req) if flow.limiter is not None else None,
+                    )
+                    waiting = (
+                        admit
+                        if when_gone is not None
+                        else self._watching_receive(admit, receive, task, response)
+                    )
+                    grant = await (waiting if trace is None else trace.queued(waiting))
             if self.pd is not None and self.pd.applies(req):
-                dispatch = self.pd.handle(req, forward_headers, request_id, sink, started)
+                ctx = self.pd.context(req, request_id)
+                if grant is not None:
+                    assert flow is not None
+                    # the handler reaches its first leg's worker before it first waits (on
+                    # the network, or the KV store), and the pump this sets off runs then
+                    flow.begun(grant)
+                dispatch = self.pd.handle(req, forward_headers, request_id, sink, started, ctx)
             else:
-                flow = self.flow
-                if flow is not None:
-                    grant = flow.grant_now(identity.tenant, req.model, req.prompt_tokens_estimate)
-                    if grant is None:
-                        admit = flow.admit(
-                            identity,
-                            req.model,
-                            len(body),
-                            req.prompt_tokens_estimate,
-                            _max_tokens(req) if flow.limiter is not None else None,
-                        )
-                        waiting = (
-                            admit
-                            if when_gone is not None
-                            else self._watching_receive(admit, receive, task, response)
-                        )
-                        grant = await (waiting if trace is None else trace.queued(waiting))
                 ctx, ranked = await self.schedule(
                     req, request_id, priority_name(identity.priority), slo_header
                 )

@@ -14,6 +14,9 @@ granted, so the KV-aware choice is made against the fleet as it is at dispatch.
 - A dispatched request counts as ``starting`` until the app says it ``begun`` (its worker
   chosen): the router's in-flight counts, which ``saturated`` reads, only grow once the
   request reaches a worker, so without it one pump would release the whole queue at once.
+- A model served by prefill and decode pools waits the same way, for a free prefill
+  worker and a free decode worker (``_pd_can_serve``); it is charged its prompt at
+  dispatch and settled on the decode leg's usage.
 - Under ``--processes N`` each process tells its siblings, over the router's bus, while it
   has requests waiting (at once when it starts to, again every ``ANNOUNCE_S`` while it
   does), and keeps to its part of the caps while others do (see ``saturated``).
@@ -29,8 +32,10 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from switchyard.balancer.worker import Role
 from switchyard.router.errors import RouterError
 from switchyard.router.flow.identity import Identity
 from switchyard.router.flow.queue import FlowQueue, Queued, QueueLimits, Refused
@@ -196,6 +201,7 @@ class FlowControl:
         self.clock = clock
         self.retry_after_s = retry_after_s
         self.thresholds = thresholds_of(settings)
+        self.decode_thresholds = replace(self.thresholds, max_queued_prefill_tokens=0)
         self.queue = FlowQueue(queue_limits_of(settings), clock)
         limits = RateLimits(settings.tenant_tokens_per_minute, settings.tenant_requests_per_minute)
         self.limiter = TenantRateLimiter(limits, clock, share) if limits.enabled else None
@@ -279,7 +285,7 @@ class FlowControl:
         the queue holding it."""
         candidates = self.fleet.candidates(model)
         if not candidates:
-            return True
+            return self._pd_can_serve(model, prompt_tokens)
         needed = self._starting.get(model, 0)  # free workers the dispatched ones will take
         thresholds = self.thresholds
         now = self.clock()
@@ -292,6 +298,31 @@ class FlowControl:
                     return True
                 needed -= 1
         return False
+
+    def _pd_can_serve(self, model: str, prompt_tokens: int) -> bool:
+        """``can_serve`` for a model served by prefill and decode pools: as many free
+        pairs as the dispatched requests still choosing take, and one more. A prefill
+        worker is judged with the request's prompt; a decode worker on its engine's queue,
+        KV usage and in-flight cap only, since the prompt it is sent is prefilled
+        elsewhere. A pool left empty is no bound (a decode pool alone prefills locally,
+        and is judged as a unified one; no pool at all: routing answers)."""
+        prefill = self.fleet.candidates(model, Role.PREFILL)
+        decode = self.fleet.candidates(model, Role.DECODE)
+        if not prefill and not decode:
+            return True
+        now = self.clock()
+        contenders = self.contenders(now)
+        free = None
+        for pool, thresholds in (
+            (prefill, self.thresholds),
+            (decode, self.decode_thresholds if prefill else self.thresholds),
+        ):
+            if pool:
+                count = sum(
+                    1 for w in pool if not saturated(w, thresholds, now, contenders, prompt_tokens)
+                )
+                free = count if free is None else min(free, count)
+        return free is not None and free > self._starting.get(model, 0)
 
     def saturated_models(self) -> list[str]:
         """The models whose every candidate is saturated now (for /metrics)."""

@@ -157,14 +157,19 @@ class PDOrchestrator:
         request_id: bytes,
         send: Send,
         started: float,
+        ctx: Context | None = None,
     ) -> tuple[int, str]:
-        """Answer ``req`` through the pools; returns (status, id of the worker that answered)."""
+        """Answer ``req`` through the pools; returns (status, id of the worker that answered).
+        ``ctx``: the context the answering leg fills (its tail, the tokens it generated),
+        from ``context``, for a caller that reads the answer's usage afterwards."""
         rid = request_id.decode("latin-1")
         if req.route == CHAT and self.fleet.candidates(req.model, Role.ENCODE):
             refs = wire.image_refs(req.data)
             if refs:
                 req = await self._encode(req, refs, headers, rid)
-        job = _Job(req, self.pools.context(req, rid), headers, request_id, _Watch(send), started)
+        if ctx is None:
+            ctx = self.pools.context(req, rid)
+        job = _Job(req, ctx, headers, request_id, _Watch(send), started)
         decode_workers = self.fleet.candidates(req.model, Role.DECODE)
         if self.kv is not None and decode_workers:
             # Also lets the decode leg's answer record where the prompt's KV now lives.
@@ -186,6 +191,10 @@ class PDOrchestrator:
         if self.protocol == "sglang":
             return await self._sglang(job, pctx, prefill, decode)
         return await self._vllm(job, pctx, prefill, decode)
+
+    def context(self, req: RoutedRequest, request_id: bytes) -> Context:
+        """A new request's decode-side context, for ``handle``."""
+        return self.pools.context(req, request_id.decode("latin-1"))
 
     async def _prefill_order(self, job: _Job) -> tuple[Context, list[Worker]]:
         workers = self.fleet.candidates(job.req.model, Role.PREFILL)
