@@ -204,7 +204,7 @@ def test_the_command_takes_rate_limits_as_json_and_reports_each_tenants_refusals
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ('tenant_tokens_per_minute={"A": -1}', "tenant_tokens_per_minute: rate limit of 'A'"),
+        ('tenant_tokens_per_minute={"A": -1}', "rate limit of 'A' is negative"),
         ("tenant_tokens_per_minute=60000", "tenant_tokens_per_minute: Input should be a valid"),
         ('tenant_requests_per_minute={"A": "x"}', "tenant_requests_per_minute.A"),
     ],

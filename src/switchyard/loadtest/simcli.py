@@ -215,7 +215,6 @@ def flow_settings(options: dict[str, object]) -> Flow:
     command's one-line error."""
     import pydantic
 
-    from switchyard.router.flow.ratelimit import RateLimits
     from switchyard.router.settings import Flow
 
     unknown = sorted(set(options) - set(Flow.model_fields))
@@ -229,11 +228,6 @@ def flow_settings(options: dict[str, object]) -> Flow:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first["loc"])
         raise click.BadParameter(f"{where}: {first['msg']}", param_hint="--flow-option") from None
-    for name in ("tenant_tokens_per_minute", "tenant_requests_per_minute"):
-        try:
-            RateLimits(getattr(flow, name))
-        except ValueError as exc:
-            raise click.BadParameter(f"{name}: {exc}", param_hint="--flow-option") from None
     return flow
 
 

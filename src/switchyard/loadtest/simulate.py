@@ -995,8 +995,6 @@ def simulate(cfg: SimConfig, on_run: Callable[[PolicyRun], None] | None = None) 
         raise ValueError("speed must be positive")
     if not cfg.policies:
         raise ValueError("no policy given")
-    flow = cfg.flow_settings
-    RateLimits(flow.tenant_tokens_per_minute, flow.tenant_requests_per_minute)  # no negative
     started = time.perf_counter()
     engine = cfg.engine()
     for policy in cfg.policies:

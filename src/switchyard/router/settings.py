@@ -411,6 +411,14 @@ class Flow(Group):
     def _lower_header(cls, value: str | None) -> str | None:
         return value.lower() if value else None
 
+    @field_validator("tenant_tokens_per_minute", "tenant_requests_per_minute")
+    @classmethod
+    def _no_negative_limit(cls, value: dict[str, int]) -> dict[str, int]:
+        for tenant, limit in value.items():
+            if limit < 0:
+                raise ValueError(f"rate limit of {tenant!r} is negative")
+        return value
+
 
 class Tracing(Group):
     """OpenTelemetry traces of the requests the router routes, sent over OTLP. The standard

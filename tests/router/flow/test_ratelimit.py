@@ -23,6 +23,7 @@ from switchyard.router.flow.ratelimit import (
     SiblingRateShare,
     TenantRateLimiter,
 )
+from switchyard.router.settings import Flow
 from tests.support import eventually_async, redis_server
 
 pytestmark = pytest.mark.timeout(60)
@@ -79,9 +80,11 @@ def test_limits_that_are_all_zero_limit_nobody() -> None:
     assert RateLimits({}, {"a": 5}).enabled
 
 
-def test_a_negative_limit_is_refused() -> None:
-    with pytest.raises(ValueError, match="'a'"):
-        RateLimits({"a": -1})
+def test_a_negative_limit_is_refused_by_the_settings() -> None:
+    with pytest.raises(ValueError, match="rate limit of 'a' is negative"):
+        Flow(tenant_tokens_per_minute={"a": -1})
+    with pytest.raises(ValueError, match="rate limit of '\\*' is negative"):
+        Flow(tenant_requests_per_minute={"*": -5})
 
 
 # Reserve, settle, cancel

@@ -68,16 +68,11 @@ Apply = Callable[[str, int, int], None]
 @dataclass(frozen=True, slots=True)
 class RateLimits:
     """Per-minute limits by tenant; ``"*"`` is every tenant not named; 0 is no limit (to
-    exempt a named tenant from ``"*"``)."""
+    exempt a named tenant from ``"*"``). None is negative: the ``Flow`` settings they
+    come from refuse that."""
 
     tokens_per_minute: Mapping[str, int] = field(default_factory=dict)
     requests_per_minute: Mapping[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for limits in (self.tokens_per_minute, self.requests_per_minute):
-            for tenant, limit in limits.items():
-                if limit < 0:
-                    raise ValueError(f"rate limit of {tenant!r} is negative")
 
     @property
     def enabled(self) -> bool:
