@@ -56,12 +56,15 @@ async def test_a_disaggregated_request_waits_in_the_router_and_takes_its_fair_tu
         tasks.append(asyncio.create_task(send(front, "q0", "key-q", 2)))
         await eventually_async(lambda: len(flow.queue) == 4, message="q0 never queued")
         assert decode.generations == 1  # the decode worker still holds only f0
+        text = (await front.router.get("/metrics")).text
+        saturated_then = metric(text, "switchyard_router_flow_saturated_models", model=MODEL)
         answers = [await first, *[await t for t in tasks]]
         text = (await front.router.get("/metrics")).text
     assert [a.status_code for a in answers] == [200] * 5, [a.text for a in answers]
     assert prefill.generations == 5 and decode.generations == 5  # every one disaggregated
     assert finished[:2] == ["f0", "q0"]  # the quiet tenant before the flood's backlog
     assert metric(text, "switchyard_router_flow_outcomes_total", outcome="dispatched") == 4
+    assert saturated_then == 1
 
 
 def test_a_pd_model_has_room_when_a_prefill_and_a_decode_worker_both_do() -> None:

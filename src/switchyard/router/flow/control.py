@@ -325,12 +325,16 @@ class FlowControl:
         return free is not None and free > self._starting.get(model, 0)
 
     def saturated_models(self) -> list[str]:
-        """The models whose every candidate is saturated now (for /metrics)."""
+        """The models whose every candidate (or every prefill or decode candidate) is
+        saturated now (for /metrics)."""
         now = self.clock()
         out = []
         for model in self.fleet.models():
             candidates = self.fleet.candidates(model)
-            if candidates and not self.free_workers(candidates, now):
+            if candidates:
+                if not self.free_workers(candidates, now):
+                    out.append(model)
+            elif not self._pd_can_serve(model, 0):
                 out.append(model)
         return out
 
