@@ -157,3 +157,18 @@ async def test_a_request_let_in_without_an_estimate_is_refused_at_its_second_loo
     flow.prefilled()
     grant = await asyncio.wait_for(quiet, 1.0)
     assert grant.tenant == "quiet"
+
+
+def test_a_line_whose_head_has_waited_long_takes_no_more_whatever_the_estimate() -> None:
+    """The estimate runs short when the engines slow down after the dispatches it saw:
+    the head of the tenant's line has then waited longer than it said, and the tenant
+    is refused until its line moves, while another tenant still gets in."""
+    flow, clock = flow_control(ttl_s=10.0)
+    drained_at(flow, tokens_per_s=4000.0)  # fast lately: the estimate is short
+    queue_up(flow, clock, FLOOD, 3, 10)
+    flow._refuse_if_hopeless(FLOOD, 10)
+    clock.now += 3.0  # the head of the flood's line has waited past a quarter of the TTL
+    with pytest.raises(RouterError) as refused:
+        flow._refuse_if_hopeless(FLOOD, 10)
+    assert refused.value.headers["x-switchyard-reason"] == "queue_full"
+    flow._refuse_if_hopeless(QUIET, 10)  # its own line is empty

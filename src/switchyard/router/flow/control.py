@@ -479,11 +479,18 @@ class FlowControl:
     def _refuse_if_hopeless(self, identity: Identity, prompt_tokens: int) -> None:
         """Refuse at once a request that would wait too near the queue's TTL (past
         ``_HOPELESS_SHARE`` of it): its client learns in milliseconds, not when the TTL has
-        passed (a flood's excess, while every other tenant's requests still fit)."""
+        passed (a flood's excess, while every other tenant's requests still fit). The
+        wait is the estimate, or how long the head of its tenant's line in its band has
+        waited if longer: the wait its line has actually had, which holds the line to the
+        share of the TTL when the estimate runs short (engines slowing, bursts of
+        dispatches), since those behind the head wait at least as long in turn."""
         ttl = self.queue.limits.ttl_s
         if not ttl or not len(self.queue):
             return
         wait = self.expected_wait_s(identity, prompt_tokens)
+        head = self.queue.oldest(identity)
+        if head is not None:
+            wait = max(wait or 0.0, self.clock() - head)
         if wait is not None and wait > ttl * _HOPELESS_SHARE:
             self.metrics.outcome("queue_full")
             raise _hopeless(wait, ttl)

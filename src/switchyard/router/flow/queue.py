@@ -450,6 +450,22 @@ class FlowQueue:
             for name, member in band.members.items()
         }
 
+    def oldest(self, identity: Identity) -> float | None:
+        """When the longest-waiting of ``identity``'s tenant's requests in its band was
+        queued (first come first served: the head of its line), or None."""
+        band = self._bands.get(identity.priority)
+        member = band.members.get(identity.tenant) if band is not None else None
+        if member is None:
+            return None
+        oldest: float | None = None
+        for heap in member.by_model.values():
+            while heap and not heap[0][2].queued:
+                heapq.heappop(heap)
+                member.dead -= 1
+            if heap and (oldest is None or heap[0][2].enqueued_at < oldest):
+                oldest = heap[0][2].enqueued_at
+        return oldest
+
     def tokens_ahead(self, identity: Identity, prompt_tokens: int) -> int:
         """The prompt tokens dispatched before a new request of ``identity`` with
         ``prompt_tokens``, its own included: see ``_ahead``."""
