@@ -273,11 +273,14 @@ def saturated_rate(
 def run_case(
     fleet: MockFleet | VllmFleet, spec: KeyedSpec, workload: Workload, timeout_s: float
 ) -> list[Result]:
-    """One replay through a fresh router over an idle fleet with empty caches."""
+    """One replay through a fresh router over an idle fleet with empty caches. vLLM's
+    random-weight model may end an answer at once with an end-of-sequence token: it is
+    told to ignore it, so that every answer has a first token to time."""
     fleet.reset(timeout_s=timeout_s)
+    extra = None if isinstance(fleet, MockFleet) else {"ignore_eos": True}
     with start_router(spec, fleet.engines, timeout_s=90.0) as router:
         time.sleep(1.0)  # its first probe and scrape of every engine
-        return asyncio.run(replay(router.url, workload, MODEL, timeout_s))
+        return asyncio.run(replay(router.url, workload, MODEL, timeout_s, extra_body=extra))
 
 
 def fmt(x: float | None, spec: str = ".0f") -> str:

@@ -152,8 +152,12 @@ def test_fairness_bench_counts_a_request_neither_answered_nor_refused_as_lost() 
     assert run.quiet_ttft_ms(90) == pytest.approx(50.0)
     assert run.flood_share == pytest.approx(1010 / 2.0 / 1000.0)  # A's tokens over its span
 
+    # B's answer (no tokens counted) takes nothing off the 800 tokens a second the fleet
+    # serves saturated: A's 505 a second are that share of it
+    assert run.served_per_s("B") == 0.0
     cell = Cell()
-    cell.add(Run([], 1000.0, "A", "B"), run)
+    cell.add(Run([], 1000.0, "A", "B"), run, saturated_per_s=800.0)
+    assert cell.remaining == [pytest.approx(505 / 800.0)]
     assert (cell.refused_a, cell.refused_b, cell.lost) == ([1], [1], 1)
     assert cell.no_retry_after == 1  # the 503 came without one
     assert cell.refusal_max_ms == [pytest.approx(4.0)]

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -144,11 +145,15 @@ async def replay(
     model: str,
     timeout_s: float = 120.0,
     on_done: Callable[[Result], None] | None = None,
+    extra_body: dict[str, Any] | None = None,
 ) -> list[Result]:
     """Send every request of ``workload`` to ``base_url`` at its arrival time; all results.
-    Each request, connecting included, has ``timeout_s`` in all."""
+    Each request, connecting included, has ``timeout_s`` in all. ``extra_body``: more
+    fields for every request (``ignore_eos`` for a random-weight model, whose answer may
+    otherwise end at once with no token to time)."""
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    bodies = [orjson.dumps(r.body(model)) for r in workload.requests]
+    extra = extra_body or {}
+    bodies = [orjson.dumps({**r.body(model), **extra}) for r in workload.requests]
     keyed = {key: {**_HEADERS, "authorization": f"Bearer {key}"} for key in _keys(workload)}
     results: list[Result] = []
     pool = ConnectionPool(connect_timeout_s=timeout_s)  # as many connections as in flight
