@@ -63,26 +63,37 @@ MAX_HEAD_BYTES = 64 * 1024
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
-@functools.lru_cache(maxsize=1024)
-def _header_name(name: str) -> bytes:
-    """``name`` checked and encoded once; the router sends a handful of distinct names."""
-    if not _TOKEN.fullmatch(name):
-        raise InvalidHeader(f"header name {name!r} is not an HTTP token")
-    return name.encode("ascii")
+# Header names found to be tokens, so each distinct name is checked once: the router sends
+# a handful. Past the cap a new name is checked each time it comes.
+_TOKEN_NAMES: set[str] = set()
+_MAX_TOKEN_NAMES = 1024
 
 
-def _header_lines(headers: dict[str, str]) -> list[bytes]:
-    """``headers`` as request head lines; a value with CR, LF or NUL (it would end the
-    header and start another, or a request) is refused: one scan over all the values."""
-    values = "".join(headers.values())
-    if "\r" in values or "\n" in values or "\0" in values:
+def _check_names(headers: dict[str, str]) -> None:
+    for name in headers:
+        if name not in _TOKEN_NAMES:
+            if not _TOKEN.fullmatch(name):
+                raise InvalidHeader(f"header name {name!r} is not an HTTP token")
+            if len(_TOKEN_NAMES) < _MAX_TOKEN_NAMES:
+                _TOKEN_NAMES.add(name)
+
+
+def _header_lines(headers: dict[str, str]) -> bytes:
+    """``headers`` as request head lines, each ended by CRLF; a value with CR, LF or NUL
+    (it would end the header and start another, or a request) is refused. Built as one
+    string and encoded once: with the names tokens, any CR or LF beyond the line ends, or
+    any NUL, is a value's, so three scans of that string check every value."""
+    if not headers:
+        return b""
+    if not _TOKEN_NAMES.issuperset(headers):
+        _check_names(headers)
+    text = "\r\n".join(map(": ".join, headers.items()))
+    lines = len(headers) - 1
+    if text.count("\r") != lines or text.count("\n") != lines or "\0" in text:
         bad = next(n for n, v in headers.items() if "\r" in v or "\n" in v or "\0" in v)
         raise InvalidHeader(f"header {bad!r}: CR, LF or NUL in its value")
     try:
-        return [
-            b"%s: %s\r\n" % (_header_name(name), value.encode("latin-1"))
-            for name, value in headers.items()
-        ]
+        return (text + "\r\n").encode("latin-1")
     except UnicodeEncodeError as exc:
         raise InvalidHeader(f"header value not latin-1: {exc}") from None
 
@@ -530,11 +541,13 @@ class ConnectionPool:
         head, within ``timeout_s`` (else ``ReadTimeout``). Written once: a worker that
         closes the connection before answering is a ``ServerDisconnected``."""
         origin, host, path = _target(url)
-        lines = [b"POST ", path, b" HTTP/1.1\r\nHost: ", host, b"\r\nContent-Length: "]
-        lines.append(b"%d\r\n" % len(body))
-        lines += _header_lines(headers)
-        lines.append(b"\r\n")
-        return await self._request(origin, b"".join(lines), body, timeout_s)
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+            path,
+            host,
+            len(body),
+            _header_lines(headers),
+        )
+        return await self._request(origin, head, body, timeout_s)
 
     async def delete(
         self, url: str, headers: dict[str, str], timeout_s: float | None = None
@@ -571,7 +584,7 @@ class ConnectionPool:
         if body or method in ("POST", "PUT", "PATCH", "DELETE"):
             lines.append(b"Content-Length: %d\r\n" % len(body))
         if headers:
-            lines += _header_lines(headers)
+            lines.append(_header_lines(headers))
         lines.append(b"\r\n")
         return await self._request(origin, b"".join(lines), body, timeout_s, method == "HEAD")
 
