@@ -404,14 +404,23 @@ class KVStore:
         ``--kv-listen`` socket, or already arriving; and none of its feeds is stale (its
         publisher's connection lost and not yet resynced), when its entries may be out of
         date and placements are the better guess."""
-        if self.stale(instance):
+        if instance in self._stale:
             return False
         follower = self.follower
         if follower is not None and instance in follower.endpoints:
             return True
-        if any(src.instance == instance for src in self.topics.by_topic.values()):
+        # Each collection looked at only when it holds something: this runs for every
+        # placement, and a router without events has none.
+        by_topic = self.topics.by_topic
+        if by_topic and any(src.instance == instance for src in by_topic.values()):
             return True
-        return any(f.instance == instance for f in self._all_feeds())
+        if instance in self._http_feeds:
+            return True
+        if self._topic_feeds and any(f.instance == instance for f in self._topic_feeds.values()):
+            return True
+        return bool(self._subscribers) and any(
+            s.feed.instance == instance for s in self._subscribers.values()
+        )
 
     def stale(self, instance: str) -> bool:
         """Whether a feed of ``instance`` lost its publisher and has not resynced yet (here,
