@@ -286,12 +286,20 @@ class FlowControl:
         candidates = self.fleet.candidates(model)
         if not candidates:
             return self._pd_can_serve(model, prompt_tokens)
-        needed = self._starting.get(model, 0)  # free workers the dispatched ones will take
+        # free workers the dispatched ones will take
+        needed = self._starting.get(model, 0) if self._starting else 0
         thresholds = self.thresholds
         now = self.clock()
+        if not self._waiting_siblings:  # alone: the whole caps, every worker's turn
+            for worker in candidates:  # stops at the first free one beyond those
+                if not saturated(worker, thresholds, now, 1, prompt_tokens):
+                    if not needed:
+                        return True
+                    needed -= 1
+            return False
         contenders = self.contenders(now)
         turns = self.turns(model, candidates, now) if contenders > 1 else None
-        for worker in candidates:  # stops at the first free one beyond those
+        for worker in candidates:
             turn = turns is None or worker.id in turns
             if not saturated(worker, thresholds, now, contenders, prompt_tokens, turn):
                 if not needed:
