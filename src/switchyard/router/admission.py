@@ -55,6 +55,7 @@ _EWMA = 0.2
 _Q = 0.9
 _Q_STEP = 0.05
 _Q_BOUNDS = (0.25, 4.0)
+_LOG_Q_BOUNDS = (math.log(_Q_BOUNDS[0]), math.log(_Q_BOUNDS[1]))
 _POLL_S = 0.01
 PRIORITIES = ("high", "normal", "low")
 
@@ -138,8 +139,10 @@ class TTFTModel:
         return (worker_id, kind) in self.rate or kind in self.fleet_rate
 
     def work_tokens(self, ctx: Context, worker: Worker) -> float:
-        uncached = max(ctx.prompt_tokens - ctx.matched.get(worker.id, 0.0), 1.0)
-        return uncached + worker.load().prefill_tokens
+        # Conditionals, not two-argument min or max, on the request path: those builtins
+        # parse their arguments as keywords, several times the cost of a comparison.
+        uncached = ctx.prompt_tokens - ctx.matched.get(worker.id, 0.0)
+        return (uncached if uncached > 1.0 else 1.0) + worker.load().prefill_tokens
 
     def predict(self, ctx: Context, worker: Worker, stream: bool = True) -> float:
         return self.expect(ctx, worker, stream).predicted_s
@@ -160,11 +163,11 @@ class TTFTModel:
             if self._ratio:
                 self._ratio[expected.kind].observe(ratio)
             self._track_q90(expected.kind, ratio)
-        overhead = self.overhead_s.get(expected.worker_id, 0.0)
+        beyond = actual_s - self.overhead_s.get(expected.worker_id, 0.0)
         self.learn(
             expected.worker_id,
             expected.kind,
-            max(actual_s - overhead, 0.0) / expected.work_tokens,
+            (beyond if beyond > 0.0 else 0.0) / expected.work_tokens,
         )
         work, n = self._answered.get(expected.worker_id, (0.0, 0))
         self._answered[expected.worker_id] = (work + expected.work_tokens, n + 1)
@@ -172,8 +175,8 @@ class TTFTModel:
     def _track_q90(self, kind: str, ratio: float) -> None:
         q = self._log_q90.get(kind, 0.0)
         q += _Q_STEP * (_Q if math.log(ratio) > q else _Q - 1.0)
-        low, high = _Q_BOUNDS
-        self._log_q90[kind] = min(max(q, math.log(low)), math.log(high))
+        low, high = _LOG_Q_BOUNDS
+        self._log_q90[kind] = low if q < low else high if q > high else q
 
     def q90(self, stream: bool) -> float:
         """The observed 90th percentile of actual over predicted first byte (1 until seen)."""

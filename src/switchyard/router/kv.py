@@ -709,4 +709,5 @@ class KVAwareness:
         prompt, cached = usage
         self.prompt.inc(prompt)
         self.actual.inc(cached)
-        self.predicted.inc(min(ctx.matched.get(worker_id, 0.0), prompt))
+        matched = ctx.matched.get(worker_id, 0.0)
+        self.predicted.inc(matched if matched < prompt else prompt)

@@ -59,7 +59,8 @@ class TokenRatio:
         if chars <= 0 or tokens <= 0:
             return
         low, high = self.BOUNDS
-        ratio = min(max(chars / tokens, low), high)
+        ratio = chars / tokens  # clamped by comparisons: min and max cost several times more
+        ratio = low if ratio < low else high if ratio > high else ratio
         self.value += self.WEIGHT * (ratio - self.value)
 
 

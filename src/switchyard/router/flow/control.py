@@ -92,7 +92,7 @@ def _last_number(body: bytes, key: bytes) -> int | None:
     if at < 0:
         return None
     found = _NUMBER.match(body, at + len(key))
-    return int(found.group(1)) if found else None
+    return int(found[1]) if found else None
 
 
 def usage_prompt_tokens(tail: bytes) -> int | None:

@@ -62,11 +62,12 @@ class Context:
 
     def uncached(self, worker_id: str) -> int:
         """Prompt tokens this worker would have to prefill."""
-        return max(self.prompt_tokens - int(self.matched.get(worker_id, 0.0)), 0)
+        left = self.prompt_tokens - int(self.matched.get(worker_id, 0.0))
+        return left if left > 0 else 0  # not max(): a keyword parse a call, on every request
 
     def set_prefix(self, prefix: LookupResult) -> None:
         self.prefix = prefix
-        self.prompt_tokens = max(prefix.total_tokens, 1)
+        self.prompt_tokens = prefix.total_tokens if prefix.total_tokens > 1 else 1
         for m in prefix.matches:
             weighted = m.weighted_tokens
             if weighted > self.matched.get(m.instance, -1.0):
