@@ -254,9 +254,9 @@ class EmbeddedPrefixes:
         self.store.follow_fleet(fleet)
 
     def has_events(self, worker: Worker) -> bool:
-        if self.store.stale(worker.id):  # its publisher went: its entries may be out of date
-            return False
-        return bool(worker.spec.kv_events) or self.store.expects_events(worker.id)
+        if worker.spec.kv_events:  # unless its publisher went: its entries may be out of date
+            return not self.store.stale(worker.id)
+        return self.store.expects_events(worker.id)  # which is False for a stale feed too
 
     async def lookup(
         self,
