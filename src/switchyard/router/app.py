@@ -451,9 +451,18 @@ class RouterApp:
                 when_gone(functools.partial(self._on_client_gone, task, response))
             dispatch: Awaitable[tuple[int, str]]
             flow = self.flow
+            disaggregated = self.pd is not None and self.pd.applies(req)
+            # The fleet's candidates, for flow control and for routing alike when the grant
+            # comes at once; after a wait, routing reads them again.
+            candidates: list[Worker] | None = None
             if flow is not None:
-                grant = flow.grant_now(identity.tenant, req.model, req.prompt_tokens_estimate)
+                if not disaggregated:
+                    candidates = self.fleet.candidates(req.model)
+                grant = flow.grant_now(
+                    identity.tenant, req.model, req.prompt_tokens_estimate, candidates
+                )
                 if grant is None:
+                    candidates = None
                     admit = flow.admit(
                         identity,
                         req.model,
@@ -467,7 +476,8 @@ class RouterApp:
                         else self._watching_receive(admit, receive, task, response)
                     )
                     grant = await (waiting if trace is None else trace.queued(waiting))
-            if self.pd is not None and self.pd.applies(req):
+            if disaggregated:
+                assert self.pd is not None
                 ctx = self.pd.context(req, request_id)
                 if grant is not None:
                     assert flow is not None
@@ -477,7 +487,7 @@ class RouterApp:
                 dispatch = self.pd.handle(req, forward_headers, request_id, sink, started, ctx)
             else:
                 ctx, ranked = await self.schedule(
-                    req, request_id, priority_name(identity.priority), slo_header
+                    req, request_id, priority_name(identity.priority), slo_header, candidates
                 )
                 if holder is not None:
                     ranked = _holder_first(ranked, holder)
@@ -688,18 +698,26 @@ class RouterApp:
         return Identity(tenant, priority, deadline_ms)
 
     async def schedule(
-        self, req: RoutedRequest, request_id: bytes, priority: str, slo_header: str | None
+        self,
+        req: RoutedRequest,
+        request_id: bytes,
+        priority: str,
+        slo_header: str | None,
+        candidates: list[Worker] | None = None,
     ) -> tuple[Context, list[Worker]]:
-        """Candidates, prefix matches, the policy's order, then SLO admission.
+        """Candidates (``candidates``: the fleet's now, where the caller has them), prefix
+        matches, the policy's order, then SLO admission.
 
         No I/O of its own: ``switchyard simulate`` runs this same decision on a virtual clock.
         """
         tracing = self.tracing
         if tracing is None or not tracing.recording():
-            return await self._schedule(req, request_id, priority, slo_header, None)
+            return await self._schedule(req, request_id, priority, slo_header, None, candidates)
         with tracing.span("schedule") as span:
             explain = Explanation()
-            ctx, ranked = await self._schedule(req, request_id, priority, slo_header, explain)
+            ctx, ranked = await self._schedule(
+                req, request_id, priority, slo_header, explain, candidates
+            )
             tracing.describe_schedule(span, self.scheduler_for(req.model).policy, ctx, ranked)
             return ctx, ranked
 
@@ -710,9 +728,11 @@ class RouterApp:
         priority: str,
         slo_header: str | None,
         explain: Explanation | None,
+        candidates: list[Worker] | None = None,
     ) -> tuple[Context, list[Worker]]:
         began = time.perf_counter()
-        candidates = self.fleet.candidates(req.model)
+        if candidates is None:
+            candidates = self.fleet.candidates(req.model)
         if not candidates:
             # A model no worker lists: read the models again, or place a registered adapter.
             candidates = await self.adapters.resolve(req.model)

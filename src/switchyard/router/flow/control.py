@@ -278,12 +278,16 @@ class FlowControl:
                 free += 1
         return free
 
-    def can_serve(self, model: str, prompt_tokens: int = 0) -> bool:
+    def can_serve(
+        self, model: str, prompt_tokens: int = 0, candidates: list[Worker] | None = None
+    ) -> bool:
         """Whether a request for ``model`` of ``prompt_tokens`` may be routed now: some
         candidate has room for it beyond the dispatched requests still choosing one. A model
         no worker serves is "served" at once, so routing answers it (404 or 503) rather than
-        the queue holding it."""
-        candidates = self.fleet.candidates(model)
+        the queue holding it. ``candidates``: the fleet's for ``model`` now, where the caller
+        has them already."""
+        if candidates is None:
+            candidates = self.fleet.candidates(model)
         if not candidates:
             return self._pd_can_serve(model, prompt_tokens)
         # free workers the dispatched ones will take
@@ -357,11 +361,21 @@ class FlowControl:
 
     # -- admission ---------------------------------------------------------------------
 
-    def grant_now(self, tenant: str, model: str, prompt_tokens: int = 0) -> Grant | None:
+    def grant_now(
+        self,
+        tenant: str,
+        model: str,
+        prompt_tokens: int = 0,
+        candidates: list[Worker] | None = None,
+    ) -> Grant | None:
         """The fast path: a grant when nothing waits, no rate limit applies and some
-        candidate of ``model`` has room for ``prompt_tokens``; else None (``admit``
-        decides)."""
-        if self.limiter is not None or len(self.queue) or not self.can_serve(model, prompt_tokens):
+        candidate of ``model`` (``candidates``, where the caller has them) has room for
+        ``prompt_tokens``; else None (``admit`` decides)."""
+        if (
+            self.limiter is not None
+            or len(self.queue)
+            or not self.can_serve(model, prompt_tokens, candidates)
+        ):
             return None
         grant = self._grants.get(tenant)
         if grant is None:
