@@ -73,6 +73,11 @@ _STATUS_LINES = {
 }
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
+# Response header names found valid, each with its lowered form: the app's answers repeat
+# a handful of names, so each is checked and lowered once. Past the cap a new name is
+# checked each time it comes.
+_VALID_NAMES: dict[bytes, bytes] = {}
+_MAX_VALID_NAMES = 1024
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # A request line's bytes besides its method and URL: two spaces, ``HTTP/1.1`` and CRLF.
 _REQUEST_LINE_REST = 12
@@ -267,10 +272,22 @@ class Exchange:
     def _head(self, status: int, headers: Any) -> bytes:
         parts = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status]
         closing = False
+        if not isinstance(headers, list):
+            headers = list(headers)
+        # One scan of every value joined, not one per header: the check is per byte.
+        if _BAD_VALUE.search(b"".join([value for _, value in headers])):
+            bad = next(name for name, value in headers if _BAD_VALUE.search(value))
+            raise RuntimeError(f"Invalid response header {bad!r}")
+        valid = _VALID_NAMES
         for name, value in headers:
-            if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
-                raise RuntimeError(f"Invalid response header {name!r}")
-            name = name.lower()
+            lowered = valid.get(name)
+            if lowered is None:
+                if _BAD_NAME.search(name):
+                    raise RuntimeError(f"Invalid response header {name!r}")
+                lowered = name.lower()
+                if len(valid) < _MAX_VALID_NAMES:
+                    valid[name] = lowered
+            name = lowered
             if name == b"content-length":
                 if self.chunked is None:
                     self.length_left = int(value)
