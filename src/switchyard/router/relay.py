@@ -172,9 +172,28 @@ async def send_complete(
     await send({"type": "http.response.body", "body": body})
 
 
+# A worker's header names, lowered, or None for a hop-by-hop one: workers send a handful of
+# names, each lowered and looked up once. Past the cap a new name is lowered each time.
+_FORWARDED_NAMES: dict[bytes, bytes | None] = {}
+_MAX_FORWARDED_NAMES = 1024
+
+
+def _forwarded_name(name: bytes) -> bytes | None:
+    lowered = name.lower()
+    forwarded = None if lowered in HOP_BY_HOP else lowered
+    if len(_FORWARDED_NAMES) < _MAX_FORWARDED_NAMES:
+        _FORWARDED_NAMES[name] = forwarded
+    return forwarded
+
+
 def response_headers(resp: Response, request_id: bytes) -> list[tuple[bytes, bytes]]:
     """The worker's headers minus hop-by-hop ones, with the request id guaranteed."""
-    out = [(k.lower(), v) for k, v in resp.raw_headers if k.lower() not in HOP_BY_HOP]
+    names = _FORWARDED_NAMES
+    out = []
+    for name, value in resp.raw_headers:
+        forwarded = names[name] if name in names else _forwarded_name(name)
+        if forwarded is not None:
+            out.append((forwarded, value))
     if not any(k == b"x-request-id" for k, _ in out):
         out.append((b"x-request-id", request_id))
     return out
