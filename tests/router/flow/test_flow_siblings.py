@@ -15,6 +15,7 @@ from switchyard.balancer.worker import WorkerSpec
 from switchyard.router.flow.control import (
     ANNOUNCE_S,
     CONTENDER_TTL_S,
+    STALL_S,
     TOPIC,
     TURN_S,
     FlowControl,
@@ -145,3 +146,47 @@ async def test_a_process_says_when_requests_start_and_stop_waiting_in_it() -> No
     assert bus.sent[-1] == b"0"
     flow.release(grant, 100, 1)
     assert bus.sent.count(b"0") == 1
+
+
+def test_while_a_sibling_has_stalled_this_process_leaves_workers_to_drain() -> None:
+    """A sibling whose long prompts wait for a drained worker can wait for ever while this
+    process keeps a short prompt of its own queued on every worker: once the sibling says
+    its queue has stalled, this process too puts prompts only on drained workers, in its
+    turn there."""
+    flow, fleet, bus, clock = flow_control(prefill_cap=4000)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1
+    worker.totals.prefill_tokens = 100  # this process's own, well within its part
+    bus.hear("a-sibling", b"1")  # sorts first: contender 0, this process contender 1
+    assert flow.can_serve("m", 100)
+    bus.hear("a-sibling", b"2")
+    assert not flow.can_serve("m", 100)  # the worker has prefill queued
+    worker.totals.prefill_tokens = 0  # drained
+    clock.now = 10 * TURN_S  # the sibling's turn on the worker
+    assert not flow.can_serve("m", 100)
+    clock.now += TURN_S  # this process's turn
+    assert flow.can_serve("m", 100)
+    worker.totals.prefill_tokens = 100
+    bus.hear("a-sibling", b"1")  # it moved again
+    assert flow.can_serve("m", 100)
+
+
+async def test_a_process_says_when_its_queue_has_stalled_and_when_it_moves() -> None:
+    flow, fleet, bus, clock = flow_control(prefill_cap=4000)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1
+    worker.totals.prefill_tokens = 9000  # beyond two steps of the cap: a request waits
+    waiting = asyncio.ensure_future(flow.admit(Identity("t", 0), "m", 100, 100))
+    await asyncio.sleep(0)
+    assert bus.sent == [b"1"]
+    clock.now += STALL_S / 2
+    flow.pump()
+    assert bus.sent == [b"1", b"1"] and not flow.stalled()
+    clock.now += STALL_S / 2 + 0.01  # nothing has left the queue for STALL_S
+    flow.pump()
+    assert bus.sent[-1] == b"2" and flow.stalled()
+    worker.totals.prefill_tokens = 0
+    flow.prefilled()
+    grant = await asyncio.wait_for(waiting, 1.0)
+    assert bus.sent[-1] == b"0"
+    flow.release(grant, 100, 1)

@@ -57,7 +57,14 @@ if TYPE_CHECKING:
 
 REASON_HEADER = "x-switchyard-reason"
 PUMP_INTERVAL_S = 0.02
-TOPIC = b"flow"  # sibling-bus topic: b"1" while a process has requests waiting, else b"0"
+# sibling-bus topic: b"1" while a process has requests waiting, b"2" while they wait and
+# none has left its queue for ``STALL_S``, else b"0"
+TOPIC = b"flow"
+# A process whose waiting requests saw no dispatch for this long (of time with requests
+# waiting) says it has stalled: its siblings' prompts, each within their part of the
+# prefill cap, can keep every worker from draining, which its long prompts wait for; the
+# siblings then put prompts only on drained workers in their turn, until it moves.
+STALL_S = 2.0
 ANNOUNCE_S = 0.5  # a waiting process says so again this often
 # A sibling not heard saying it waits for this long is taken not to (it may have died).
 CONTENDER_TTL_S = 3 * ANNOUNCE_S
@@ -220,6 +227,9 @@ class FlowControl:
         self._pump_soon = False
         self.siblings = siblings
         self._waiting_siblings: dict[str, float] = {}  # origin -> when it last said so
+        self._stalled_siblings: dict[str, float] = {}  # origin -> when it last said so
+        self._progress_at = 0.0  # on the busy clock: the last dispatch, or the wait began
+        self._announced: bytes = b"0"
         self._sorted_ids: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._announced_at: float | None = None  # when this process last said it waits
         if siblings is not None:
@@ -303,9 +313,12 @@ class FlowControl:
             return False
         contenders = self.contenders(now)
         turns = self.turns(model, candidates, now) if contenders > 1 else None
+        drained_only = self._yielding(now)
         for worker in candidates:
             turn = turns is None or worker.id in turns
-            if not saturated(worker, thresholds, now, contenders, prompt_tokens, turn):
+            if not saturated(
+                worker, thresholds, now, contenders, prompt_tokens, turn, drained_only
+            ):
                 if not needed:
                     return True
                 needed -= 1
@@ -480,6 +493,16 @@ class FlowControl:
         if self._idle_since is not None:
             self._idle_s += self.clock() - self._idle_since
             self._idle_since = None
+            self._progress_at = self._busy_clock()
+
+    def stalled(self) -> bool:
+        """Requests wait here and none left the queue for ``STALL_S``."""
+        return bool(len(self.queue)) and self._busy_clock() - self._progress_at > STALL_S
+
+    def _yielding(self, now: float) -> bool:
+        """A sibling heard lately saying its queue has stalled."""
+        stalled = self._stalled_siblings
+        return bool(stalled) and any(now - heard <= CONTENDER_TTL_S for heard in stalled.values())
 
     def _busy_clock(self) -> float:
         """Time with requests queued, the current stretch included."""
@@ -610,26 +633,39 @@ class FlowControl:
             self._announce(bool(len(queue)))
 
     def _announce(self, waiting: bool) -> None:
-        """Tell the siblings whether requests wait here: at once when that changes, and
-        again every ``ANNOUNCE_S`` while they do."""
+        """Tell the siblings whether requests wait here, and whether they have stalled: at
+        once when that changes, and again every ``ANNOUNCE_S`` while they wait."""
         assert self.siblings is not None
         last = self._announced_at
         if waiting:
+            state = b"2" if self.stalled() else b"1"
             now = self.clock()
-            if last is not None and now - last < ANNOUNCE_S:
+            if state == self._announced and last is not None and now - last < ANNOUNCE_S:
                 return
+            changed = state != self._announced
             self._announced_at = now
-            self.siblings.publish(TOPIC, b"1", key="waiting", lazy=last is not None)
+            self._announced = state
+            self.siblings.publish(TOPIC, state, key="waiting", lazy=not changed)
         elif last is not None:
             self._announced_at = None
+            self._announced = b"0"
             self.siblings.publish(TOPIC, b"0", key="waiting")
 
     def _heard(self, origin: str, payload: bytes) -> None:
-        """A sibling's word on whether requests wait there; one that stops waiting leaves
-        this process a larger part of the caps, so the queue is looked at again."""
-        if payload == b"1":
-            self._waiting_siblings[origin] = self.clock()
-        elif self._waiting_siblings.pop(origin, None) is not None and len(self.queue):
+        """A sibling's word on whether requests wait there (and have stalled); one that
+        stops waiting or stalling leaves this process more room, so the queue is looked at
+        again."""
+        now = self.clock()
+        freed = False
+        if payload in (b"1", b"2"):
+            self._waiting_siblings[origin] = now
+        else:
+            freed = self._waiting_siblings.pop(origin, None) is not None
+        if payload == b"2":
+            self._stalled_siblings[origin] = now
+        else:
+            freed |= self._stalled_siblings.pop(origin, None) is not None
+        if freed and len(self.queue):
             self.pump()
 
     def _tick(self) -> None:
@@ -645,7 +681,8 @@ class FlowControl:
         dispatched = self._dispatched
         if len(dispatched) == _RATE_SAMPLES:
             self._dispatched_tokens -= dispatched.popleft()[1]
-        dispatched.append((self._busy_clock(), item.weight))
+        self._progress_at = self._busy_clock()
+        dispatched.append((self._progress_at, item.weight))
         self._dispatched_tokens += item.weight
         self._starting[model] = self._starting.get(model, 0) + 1
         waiter.future.set_result(Grant(item.identity.tenant, model, waiter.reservation, True))

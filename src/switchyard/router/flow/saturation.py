@@ -64,11 +64,14 @@ def saturated(
     contenders: int = 1,
     prompt_tokens: int = 0,
     turn: bool = True,
+    drained_only: bool = False,
 ) -> bool:
     """Whether ``worker`` should take no new request of ``prompt_tokens`` now (``now`` on
     the monotonic clock); ``contenders``: this process and those of its siblings with
     requests waiting; ``turn``: whether this process may put a prompt longer than its part
-    of the prefill cap on the worker once it has drained.
+    of the prefill cap on the worker once it has drained; ``drained_only``: a sibling's
+    queue has stalled, so this process puts any prompt only on a drained worker in its
+    turn, as the sibling's long prompts wait to (``FlowControl``).
 
     Called for every candidate on the fast path, so it only reads attributes.
     """
@@ -79,6 +82,8 @@ def saturated(
         return False
     totals = worker.totals
     cap = thresholds.max_queued_prefill_tokens
+    if drained_only and cap and (totals.prefill_tokens + totals.remote_prefill_tokens or not turn):
+        return True
     if cap:
         queued = totals.prefill_tokens + totals.remote_prefill_tokens
         if prompt_tokens * SHORT_PROMPT_SHARE <= cap and cap < queued <= 2 * cap - prompt_tokens:
