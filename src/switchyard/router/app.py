@@ -105,7 +105,7 @@ class _ClientGone(Exception):
 class _Response:
     """Wraps ``send`` to remember how far the response got (for errors and disconnects)."""
 
-    __slots__ = ("send", "started", "finished", "client_gone", "is_sse", "_writer")
+    __slots__ = ("send", "started", "finished", "client_gone", "_headers", "_writer")
 
     def __init__(self, send: Send, writer: Callable[[], PieceWriter | None] | None = None) -> None:
         """``writer``: the server's ``STREAM_WRITER`` extension, where it has one."""
@@ -114,7 +114,15 @@ class _Response:
         self.started = False
         self.finished = False
         self.client_gone = False
-        self.is_sse = False
+        self._headers: Any = ()  # the response's, once started
+
+    @property
+    def is_sse(self) -> bool:
+        """The response started as an event stream. Read only when an error must end it, so
+        its headers are looked through then, not on every response."""
+        return any(
+            k == b"content-type" and v.startswith(b"text/event-stream") for k, v in self._headers
+        )
 
     def stream_writer(self) -> PieceWriter | None:
         """The server's synchronous writer of the next streamed pieces, if it has one."""
@@ -123,10 +131,10 @@ class _Response:
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
-            self.is_sse = any(
-                k == b"content-type" and v.startswith(b"text/event-stream")
-                for k, v in message.get("headers", ())
-            )
+            headers = message.get("headers", ())
+            if not isinstance(headers, list | tuple):  # an iterator, read once by the server
+                headers = message["headers"] = list(headers)
+            self._headers = headers
         elif not message.get("more_body", False):
             self.finished = True
         await self.send(message)
