@@ -245,6 +245,10 @@ class RouterApp:
         # The identities of requests that name no priority and no deadline, one per tenant.
         self._identities: dict[str, Identity] = {}
         self._draining = False
+        # The loop the app was started on, which serves its requests: asked for a request's
+        # task, asyncio finds it without asking the OS for the pid (Python 3.11 does, to
+        # notice a fork, whenever it is given no loop).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.tracing: Tracing | None = None
         self.set_tracing(build_tracing(settings.tracing))
         self._log_request_ids = settings.log_format == "json"
@@ -289,6 +293,7 @@ class RouterApp:
             self.flow.shutdown()  # a queued request would wait past the shutdown: 503 now
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if METRICS_DIR_ENV in os.environ:  # one of several processes: metric files to write
             flush_metric_files_on(asyncio.get_running_loop())
         if self.siblings is not None:
@@ -421,7 +426,10 @@ class RouterApp:
         extensions = scope.get("extensions") or {}
         response = _Response(send, extensions.get(STREAM_WRITER))
         status, worker_id = 500, "none"
-        task = asyncio.current_task()
+        loop = self._loop
+        task = asyncio.current_task(loop) if loop is not None else None
+        if task is None:  # not started, or started on another loop than this request's
+            task = asyncio.current_task()
         tenant: str | None = None
         admitted = False
         grant: Grant | None = None
