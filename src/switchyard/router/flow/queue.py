@@ -197,10 +197,13 @@ class FlowQueue:
         """Count what ``tenant`` was served (an answer's usage); the prompt tokens settle
         first against what was advanced at dispatch, so nothing is counted twice."""
         record = self._tenant(tenant)
-        prompt = max(prompt_tokens, 0)
-        settled = min(record.advanced, prompt)
-        record.advanced -= settled
-        cost = (prompt - settled) + self.limits.output_weight * max(output_tokens, 0)
+        # comparisons, not min()/max(): this runs for every answered request
+        prompt = prompt_tokens if prompt_tokens > 0 else 0
+        advanced = record.advanced
+        settled = advanced if advanced < prompt else prompt
+        record.advanced = advanced - settled
+        output = output_tokens if output_tokens > 0 else 0
+        cost = (prompt - settled) + self.limits.output_weight * output
         if cost > 0:
             scale = self._scale(self._clock())  # first: it may rescale the stored counters
             record.scaled += cost * scale
