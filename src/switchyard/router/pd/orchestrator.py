@@ -169,6 +169,8 @@ class PDOrchestrator:
                 req = await self._encode(req, refs, headers, rid)
         if ctx is None:
             ctx = self.pools.context(req, rid)
+        else:  # made before the images were encoded, which changes the prompt
+            ctx.prompt_tokens = req.prompt_tokens_estimate
         job = _Job(req, ctx, headers, request_id, _Watch(send), started)
         decode_workers = self.fleet.candidates(req.model, Role.DECODE)
         if self.kv is not None and decode_workers:
