@@ -304,17 +304,13 @@ class FlowControl:
         needed = self._starting.get(model, 0) if self._starting else 0
         thresholds = self.thresholds
         now = self.clock()
-        if not self._waiting_siblings:  # alone: the whole caps, every worker's turn
-            for worker in candidates:  # stops at the first free one beyond those
-                if not saturated(worker, thresholds, now, 1, prompt_tokens):
-                    if not needed:
-                        return True
-                    needed -= 1
-            return False
-        contenders = self.contenders(now)
-        turns = self.turns(model, candidates, now) if contenders > 1 else None
-        drained_only = self._yielding(now)
-        for worker in candidates:
+        if self._waiting_siblings:
+            contenders = self.contenders(now)
+            turns = self.turns(model, candidates, now) if contenders > 1 else None
+            drained_only = self._yielding(now)
+        else:  # alone: the whole caps, every worker's turn
+            contenders, turns, drained_only = 1, None, False
+        for worker in candidates:  # stops at the first free one beyond those
             turn = turns is None or worker.id in turns
             if not saturated(
                 worker, thresholds, now, contenders, prompt_tokens, turn, drained_only

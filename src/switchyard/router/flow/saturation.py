@@ -82,10 +82,10 @@ def saturated(
         return False
     totals = worker.totals
     cap = thresholds.max_queued_prefill_tokens
-    if drained_only and cap and (totals.prefill_tokens + totals.remote_prefill_tokens or not turn):
-        return True
     if cap:
         queued = totals.prefill_tokens + totals.remote_prefill_tokens
+        if drained_only and (queued or not turn):
+            return True
         if prompt_tokens * SHORT_PROMPT_SHARE <= cap and cap < queued <= 2 * cap - prompt_tokens:
             cap = 0  # in the queued prefill's last step
     if contenders > 1:  # this process's part of each cap, on its own requests
