@@ -114,16 +114,20 @@ _Entry = tuple[float, int, Queued]
 class _Member:
     """A tenant's requests in one band, one heap per model."""
 
-    __slots__ = ("tenant", "by_model", "live", "dead", "tokens", "pushed", "left")
+    __slots__ = ("tenant", "by_model", "live", "dead", "pushed", "left")
 
     def __init__(self, tenant: _Tenant) -> None:
         self.tenant = tenant
         self.by_model: dict[str, list[_Entry]] = {}
         self.live = 0
         self.dead = 0  # removed requests still in the heaps
-        self.tokens = 0  # the weights of its queued requests
         self.pushed = 0  # the weights ever pushed, and ever left, while it was in the band
         self.left = 0
+
+    @property
+    def tokens(self) -> int:
+        """The weights of its queued requests."""
+        return self.pushed - self.left
 
 
 class _Band:
@@ -248,7 +252,6 @@ class FlowQueue:
         weight = item.weight
         item.mark = member.pushed
         member.pushed += weight
-        member.tokens += weight
         member.live += 1
         tenant.live += 1
         band.count += 1
@@ -414,7 +417,6 @@ class FlowQueue:
         item.queued = False
         tenant = member.tenant
         weight = item.weight
-        member.tokens -= weight
         member.left += weight
         member.live -= 1
         tenant.live -= 1
