@@ -482,22 +482,6 @@ async def test_a_served_name_cut_between_two_pieces_is_still_renamed() -> None:
     )
 
 
-def test_usage_is_read_in_the_anthropic_and_responses_shapes() -> None:
-    from switchyard.router.kv import usage_tokens
-
-    anthropic_usage = (
-        b'"usage":{"input_tokens":28,"output_tokens":4,'
-        b'"cache_read_input_tokens":768,"cache_creation_input_tokens":0}'
-    )
-    responses_usage = b'"usage":{"input_tokens":796,"input_tokens_details":{"cached_tokens":768}}'
-    assert usage_tokens(anthropic_usage) == (796, 768)
-    assert usage_tokens(responses_usage) == (796, 768)
-    assert usage_tokens(
-        b'"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":0}}'
-    ) == (9, 0)
-    assert usage_tokens(b'data: {"choices":[]}') is None
-
-
 async def test_a_response_id_reaches_the_routers_other_processes(tmp_path: Path) -> None:
     from switchyard.balancer.siblings import SiblingBus
     from switchyard.router.apis import ResponseHolders

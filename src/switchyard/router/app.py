@@ -35,13 +35,7 @@ from switchyard.router.apis import AnswerFilter, ResponseHolders, renaming
 from switchyard.router.connections import CLIENT_GONE, STREAM_WRITER
 from switchyard.router.control import build_control_app
 from switchyard.router.errors import RouterError
-from switchyard.router.flow.control import (
-    UNREAD,
-    FlowControl,
-    Grant,
-    served_tokens,
-    usage_prompt_tokens,
-)
+from switchyard.router.flow.control import FlowControl, Grant
 from switchyard.router.flow.identity import (
     FAIRNESS_ID_HEADER,
     Identity,
@@ -79,6 +73,7 @@ from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests
 from switchyard.router.tracing import REQUEST_ID, RequestTrace, Tracing, build_tracing
 from switchyard.router.upstream import Call
+from switchyard.router.usage import served_tokens
 
 # The routes whose vLLM request schema has ``priority`` (``--flow-engine-priority``).
 PRIORITY_ROUTES = frozenset((CHAT, COMPLETIONS, RESPONSES))
@@ -550,17 +545,15 @@ class RouterApp:
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
-            counted: int | None = UNREAD
-            if ctx is not None and (ctx.prefix is None or not ctx.prefix.exact):
-                counted = usage_prompt_tokens(ctx.tail)  # the engine's count, untokenized here
-                if counted is not None and req is not None:
-                    self.token_ratio.observe(req.prompt_chars, counted)
+            usage = ctx.usage if ctx is not None else None
+            if usage is not None and req is not None:
+                assert ctx is not None
+                if ctx.prefix is None or not ctx.prefix.exact:  # untokenized here
+                    self.token_ratio.observe(req.prompt_chars, usage.prompt)
             if grant is not None:
                 assert self.flow is not None
                 if ctx is not None:
-                    prompt, output = served_tokens(
-                        ctx.tail, ctx.prompt_tokens, ctx.generated, counted
-                    )
+                    prompt, output = served_tokens(usage, ctx.prompt_tokens, ctx.generated)
                     self.flow.release(grant, prompt, output)
                 else:
                     self.flow.release(grant, 0, 0)

@@ -35,6 +35,7 @@ from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, se
 from switchyard.router.request import COMPLETIONS, EMBEDDINGS, PASS_THROUGH, RoutedRequest
 from switchyard.router.scheduler.framework import Context
 from switchyard.router.upstream import Call, Unsent, may_have_started
+from switchyard.router.usage import read_usage
 
 if TYPE_CHECKING:
     from switchyard.router.tracing import Tracing
@@ -283,11 +284,13 @@ class Forwarder:
                             rank,
                             due,
                         )
-                        if self.kv is not None and status == 200:
-                            self.kv.observe_usage(ctx, worker.id, tail)
-                        ctx.tail, ctx.generated = tail, call.ticket.generated  # usage, for flow
-                        if self.tracing is not None:
-                            self.tracing.usage(call.span, tail)
+                        usage = ctx.usage = read_usage(tail)  # once, for all that count it
+                        ctx.generated = call.ticket.generated
+                        if usage is not None:
+                            if self.kv is not None and status == 200:
+                                self.kv.observe_usage(ctx, worker.id, usage)
+                            if self.tracing is not None:
+                                self.tracing.usage(call.span, usage)
                         return status, worker.id
                 finally:
                     resp.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,6 +35,7 @@ if TYPE_CHECKING:
     from switchyard.balancer.view import FleetView
     from switchyard.balancer.worker import Worker
     from switchyard.router.metrics import RouterMetrics
+    from switchyard.router.usage import Usage
 
 OCCUPANCY_TTL_S = 0.1
 PLACE = b"place"  # sibling-bus topic: a placement another process of this router recorded
@@ -49,38 +49,6 @@ COUNTER_SYNC_S = 1.0
 _ADD, _REMOVE, _CLEAR = 0, 1, 2
 PROBE_CHARS = 512
 PROBE_GROWTH = 4
-
-_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-
-
-def usage_tokens(body: bytes) -> tuple[int, int] | None:
-    """(prompt_tokens, cached_tokens) from a response body or the tail of a stream."""
-    prompts = _PROMPT.findall(body)
-    if not prompts:
-        return _api_usage_tokens(body) if b'"input_tokens"' in body else None
-    cached = _CACHED.findall(body)
-    return int(prompts[-1]), int(cached[-1]) if cached else 0
-
-
-_INPUT = re.compile(rb'"input_tokens"\s*:\s*(\d+)')
-_CACHE_READ = re.compile(rb'"cache_read_input_tokens"\s*:\s*(\d+)')
-_CACHE_WRITTEN = re.compile(rb'"cache_creation_input_tokens"\s*:\s*(\d+)')
-
-
-def _api_usage_tokens(body: bytes) -> tuple[int, int] | None:
-    """Usage in Anthropic's shape (input tokens leave out those read from and written to
-    the cache) or the Responses shape (input tokens are the whole prompt)."""
-    inputs = _INPUT.findall(body)
-    if not inputs:
-        return None
-    read = _CACHE_READ.findall(body)
-    if read:
-        written = _CACHE_WRITTEN.findall(body)
-        prompt = int(inputs[-1]) + int(read[-1]) + (int(written[-1]) if written else 0)
-        return prompt, int(read[-1])
-    cached = _CACHED.findall(body)
-    return int(inputs[-1]), int(cached[-1]) if cached else 0
 
 
 Prompt = dict[str, Any]  # {"messages": [...]} or {"prompt": "..."}
@@ -702,11 +670,8 @@ class KVAwareness:
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    def observe_usage(self, ctx: Context, worker_id: str, tail: bytes) -> None:
-        usage = usage_tokens(tail)
-        if usage is None:
-            return
-        prompt, cached = usage
+    def observe_usage(self, ctx: Context, worker_id: str, usage: Usage) -> None:
+        prompt, cached = usage.prompt, usage.cached
         self.prompt.inc(prompt)
         self.actual.inc(cached)
         matched = ctx.matched.get(worker_id, 0.0)

@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from switchyard.router.errors import RouterError
-from switchyard.router.flow.control import served_tokens
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context as OtelContext
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
     from switchyard.router.flow.control import Grant
     from switchyard.router.scheduler.framework import Context, Explanation
     from switchyard.router.settings import Tracing as TracingSettings
+    from switchyard.router.usage import Usage
 
 SERVICE_NAME = "switchyard-router"
 # How long a stopping router waits for its last spans to be exported.
@@ -288,17 +288,14 @@ class Tracing:
             span.set_status(self._error)
         span.end()
 
-    def usage(self, span: Span | None, tail: bytes) -> None:
-        """The engine's token counts, where its answer's ``usage`` says them, on ``span``
-        (the attempt) and on the request's server span."""
-        if not tail or span is None:  # no span: sampled out
+    def usage(self, span: Span | None, usage: Usage) -> None:
+        """The engine's token counts, from its answer's ``usage``, on ``span`` (the
+        attempt) and on the request's server span."""
+        if span is None:  # sampled out
             return
-        prompt, output = served_tokens(tail, -1, -1)
-        if prompt < 0:
-            return
-        attributes = {"gen_ai.usage.input_tokens": prompt}
-        if output >= 0:
-            attributes["gen_ai.usage.output_tokens"] = output
+        attributes = {"gen_ai.usage.input_tokens": usage.prompt}
+        if usage.output is not None:
+            attributes["gen_ai.usage.output_tokens"] = usage.output
         server = _SERVER_SPAN.get()
         for target in (span, server):
             if target is not None:

@@ -16,7 +16,6 @@ import orjson
 import pytest
 
 from switchyard.router.app import RouterApp
-from switchyard.router.flow.control import served_tokens
 from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend, StubReply, StubRequest
 from tests.support import eventually_async, metric
@@ -346,13 +345,3 @@ async def test_a_bad_priority_header_is_a_400() -> None:
         resp = await send(router, "bad", **{"x-priority": "urgent"})
     assert resp.status_code == 400
     assert "x-priority" in resp.json()["error"]["message"]
-
-
-def test_served_tokens_are_the_engines_usage_from_the_end_of_the_answer() -> None:
-    tail = b'data: {"usage": {"prompt_tokens": 120, "completion_tokens": 33}}\n\ndata: [DONE]'
-    assert served_tokens(tail, prompt_estimate=90, generated=30) == (120, 33)
-
-
-def test_served_tokens_without_usage_are_the_routers_estimate_and_the_relays_count() -> None:
-    assert served_tokens(b'data: {"choices": []}', prompt_estimate=90, generated=30) == (90, 30)
-    assert served_tokens(b"", prompt_estimate=7, generated=0) == (7, 0)

@@ -28,7 +28,6 @@ or removed when its client goes (the caller's task is cancelled).
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -87,40 +86,6 @@ _HOPELESS_SHARE = 0.25
 # remaining wait passes this larger share of the TTL.
 SECOND_LOOK_S = 0.5
 _SECOND_LOOK_SHARE = 0.5
-_NUMBER = re.compile(rb"\s*:\s*(\d+)")
-_PROMPT_KEY = b'"prompt_tokens"'
-_COMPLETION_KEY = b'"completion_tokens"'
-
-
-def _last_number(body: bytes, key: bytes) -> int | None:
-    """The integer after the last ``key`` in ``body``; found from the end, where an
-    answer's usage is, so a long answer is not scanned."""
-    at = body.rfind(key)
-    if at < 0:
-        return None
-    found = _NUMBER.match(body, at + len(key))
-    return int(found[1]) if found else None
-
-
-def usage_prompt_tokens(tail: bytes) -> int | None:
-    """The prompt tokens an answer's ``usage`` (in its last bytes) reports, if any."""
-    return _last_number(tail, _PROMPT_KEY) if tail else None
-
-
-UNREAD = -1  # ``served_tokens``: the caller has not read the usage's prompt tokens yet
-
-
-def served_tokens(
-    tail: bytes, prompt_estimate: int, generated: int, counted: int | None = UNREAD
-) -> tuple[int, int]:
-    """(prompt, output) tokens an answer cost: the engine's ``usage`` where the answer (or a
-    stream's tail) holds it, else the router's prompt estimate and the relay's token count;
-    ``counted``: ``usage_prompt_tokens(tail)`` where the caller has read it already."""
-    prompt = usage_prompt_tokens(tail) if counted == UNREAD else counted
-    if prompt is None:
-        return prompt_estimate, generated
-    output = _last_number(tail, _COMPLETION_KEY)
-    return prompt, generated if output is None else output
 
 
 class Grant:

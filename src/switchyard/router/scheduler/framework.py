@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:
     from switchyard.balancer.worker import Worker
     from switchyard.kvstore.store import LookupResult
+    from switchyard.router.usage import Usage
 
 
 @dataclass(slots=True)
@@ -54,8 +55,8 @@ class Context:
     # (model, prompt-or-messages kwargs, cache salt, LoRA name) when full tokenization was
     # deferred.
     deferred_keys: tuple[str, dict[str, Any], str | None, str | None] | None = None
-    # The answer's last bytes (where an engine's usage is) and the tokens the relay counted.
-    tail: bytes = b""
+    # The engine's usage in the answer (None: it had none) and the tokens the relay counted.
+    usage: Usage | None = None
     generated: int = 0
     # Filled by the cycle when set (``Explanation``); None on an untraced request.
     explain: Explanation | None = None
