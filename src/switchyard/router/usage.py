@@ -10,8 +10,7 @@ import re
 from typing import NamedTuple
 
 _NUMBER = re.compile(rb"\s*:\s*(\d+)")
-_PROMPT = b'"prompt_tokens"'
-_COMPLETION = b'"completion_tokens"'
+_OPENAI = re.compile(rb'"(prompt|completion|cached)_tokens"\s*:\s*(\d+)')
 _CACHED = b'"cached_tokens"'
 _INPUT = b'"input_tokens"'
 _OUTPUT = b'"output_tokens"'
@@ -39,12 +38,25 @@ def _last_number(body: bytes, key: bytes) -> int | None:
 
 def read_usage(tail: bytes) -> Usage | None:
     """The usage an answer (or a stream's last bytes) reports, if it reports one."""
-    if not tail:
+    at = tail.rfind(b'"usage"')
+    if at < 0:
         return None
-    prompt = _last_number(tail, _PROMPT)
+    prompt = output = None
+    cached = 0
+    for key, value in _OPENAI.findall(tail, at):  # one pass over the usage object
+        if key == b"prompt":
+            prompt = int(value)
+        elif key == b"completion":
+            output = int(value)
+        else:
+            cached = int(value)
     if prompt is not None:
-        cached = _last_number(tail, _CACHED)
-        return Usage(prompt, _last_number(tail, _COMPLETION), cached or 0)
+        return Usage(prompt, output, cached)
+    return _api_usage(tail)
+
+
+def _api_usage(tail: bytes) -> Usage | None:
+    """Usage in the Anthropic or the Responses shape."""
     inputs = _last_number(tail, _INPUT)
     if inputs is None:
         return None
