@@ -372,6 +372,7 @@ class FlowMetrics:
             registry=r,
         )
         self._served: dict[str, list[int]] = {}
+        self._settle: Callable[[], None] | None = None
         self._files = METRICS_DIR_ENV in os.environ
         metrics.before_scrape.append(self.flush_served)
 
@@ -467,6 +468,8 @@ class FlowMetrics:
     def flush_served(self) -> None:
         """Rank the tenants with the tokens counted since the last flush, then count those
         into the counter under the labels that ranking left."""
+        if self._settle is not None:
+            self._settle()
         served, self._served = self._served, {}
         if not served:
             return
@@ -489,9 +492,12 @@ class FlowMetrics:
         self,
         sizes: Callable[[], dict[tuple[int, str], int]],
         saturated_models: Callable[[], list[str]],
+        settle: Callable[[], None] | None = None,
     ) -> None:
-        """Serve the queue's sizes and the saturated models as gauges, read at scrape time."""
+        """Serve the queue's sizes and the saturated models as gauges, read at scrape time;
+        ``settle`` hands over the tokens served but not yet counted, before each flush."""
         self._router.register_live(_FlowGauges(self, sizes, saturated_models))
+        self._settle = settle
 
 
 class _FlowGauges(Collector):

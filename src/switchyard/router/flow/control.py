@@ -86,6 +86,10 @@ _HOPELESS_SHARE = 0.25
 # remaining wait passes this larger share of the TTL.
 SECOND_LOOK_S = 0.5
 _SECOND_LOOK_SHARE = 0.5
+# An answer's tokens are charged to its tenant's fair share within this long, or before
+# the queue next orders requests (or a scrape), if sooner: summed per tenant meanwhile,
+# since a charge an answer costs several times an addition.
+SETTLE_S = 0.1
 
 
 class Grant:
@@ -197,9 +201,11 @@ class FlowControl:
         self._announced: bytes = b"0"
         self._sorted_ids: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
         self._announced_at: float | None = None  # when this process last said it waits
+        self._unsettled: dict[str, list[int]] = {}  # tenant -> [prompt, output] tokens
+        self._settle_due = False
         if siblings is not None:
             siblings.on(TOPIC, self._heard)
-        metrics.watch(self.queue.sizes, self.saturated_models)
+        metrics.watch(self.queue.sizes, self.saturated_models, self.settle)
 
     async def start(self) -> None:
         if self.share is not None:
@@ -407,6 +413,8 @@ class FlowControl:
             self._refuse_if_hopeless(identity, prompt_tokens)
             waiter = _Waiter(asyncio.get_running_loop().create_future(), reservation)
             item = Queued(identity, model, size_bytes, prompt_tokens, self.clock(), waiter)
+            if self._unsettled:  # a tenant (re)joining is lifted to the counters queued
+                self.settle()
             try:
                 self.queue.push(item)
             except Refused as refused:
@@ -539,12 +547,31 @@ class FlowControl:
             grant.starting = False
             self._started(grant.model)
         if prompt_tokens or output_tokens:
-            self.queue.charge(grant.tenant, prompt_tokens, output_tokens)
-            self.metrics.served(grant.tenant, prompt_tokens, output_tokens)
+            unsettled = self._unsettled.get(grant.tenant)
+            if unsettled is None:
+                self._unsettled[grant.tenant] = [prompt_tokens, output_tokens]
+                if not self._settle_due:
+                    self._settle_due = True
+                    asyncio.get_running_loop().call_later(SETTLE_S, self._settle_later)
+            else:
+                unsettled[0] += prompt_tokens
+                unsettled[1] += output_tokens
         if grant.reservation is not None and self.limiter is not None:
             self.limiter.settle(grant.reservation, prompt_tokens, output_tokens)
         if len(self.queue):
             self.pump()
+
+    def settle(self) -> None:
+        """Charge each tenant's fair share, and count into the metrics, the tokens it was
+        served since the last settle."""
+        unsettled, self._unsettled = self._unsettled, {}
+        for tenant, (prompt_tokens, output_tokens) in unsettled.items():
+            self.queue.charge(tenant, prompt_tokens, output_tokens)
+            self.metrics.served(tenant, prompt_tokens, output_tokens)
+
+    def _settle_later(self) -> None:
+        self._settle_due = False
+        self.settle()
 
     def prefilled(self) -> None:
         """A worker produced a first token: its queued prefill shrank, so a waiting
@@ -573,6 +600,8 @@ class FlowControl:
     def pump(self) -> None:
         """Dispatch waiting requests while capacity allows; keep the timer while any wait."""
         queue = self.queue
+        if self._unsettled:  # the order below reads the tenants' counters
+            self.settle()
         for expired in queue.expire():
             self._refuse_expired(expired)
         self._second_look()
