@@ -8,31 +8,126 @@ front of nginx; wrk loads them in rotating order, ``--rounds`` times, and each r
 router CPU (its processes', from /proc) is divided by the requests it answered.
 
     python -m bench.fixed_backend_cpu [--against REV] [--rounds 4] [--duration 6]
-        [--connections 32] [--no-smg]
+        [--connections 32] [--no-smg] [--instructions] [--router-args "..."]
 
 ``--against`` (default ``HEAD``) is checked out into a temporary git worktree and run
 with ``python -P`` so that it imports its own code, not this checkout's.
+
+``--instructions`` counts instructions instead, which the machine's other load does not
+move where CPU time varies by several percent from run to run: each router runs as one
+process (``--processes 1``) under ``valgrind --tool=callgrind``; after ``WARM_UP``
+requests the counters are zeroed, ``COUNTED`` requests follow over ``COUNT_CONNECTIONS``
+keep-alive connections, and the count is dumped. The event loop's batching moves the
+figure by about 1 % from run to run. ``--router-args`` are added to both routers'
+command lines (``--no-flow-enabled``, say, for what flow control costs).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import re
+import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.overhead import fixed_backend, process, router_argv, run_wrk, smg_router
+from bench.overhead import BODY, fixed_backend, process, router_argv, run_wrk, smg_router
 from switchyard.loadtest.procs import Server, cpu_seconds, free_port, python_from
 from tools.worktree import REPO, worktree
 
+WARM_UP = 400
+COUNTED = 3000
+COUNT_CONNECTIONS = 8
+START_TIMEOUT_S = 900  # a router's imports under valgrind take minutes
 
-def router(code: Path, backend: str) -> Server:
+
+def router(code: Path, backend: str, extra: list[str]) -> Server:
     port = free_port()
     python, env = python_from(code)
-    return process([*python, *router_argv(backend, port)[1:]], port, "/ready", env=env)
+    return process([*python, *router_argv(backend, port, *extra)[1:]], port, "/ready", env=env)
+
+
+async def _post(port: int, requests: int) -> None:
+    """``requests`` completions, one after another on one keep-alive connection."""
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(BODY)}\r\n\r\n{BODY}"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        for _ in range(requests):
+            writer.write(head)
+            answer = await reader.readuntil(b"\r\n\r\n")
+            length = re.search(rb"(?i)\r\ncontent-length:\s*(\d+)", answer)
+            if not answer.startswith(b"HTTP/1.1 200") or length is None:
+                raise SystemExit(f"the router answered {answer[:200]!r}")
+            await reader.readexactly(int(length[1]))
+    finally:
+        writer.close()
+
+
+def _load(port: int, requests: int) -> None:
+    each = requests // COUNT_CONNECTIONS
+
+    async def run() -> None:
+        await asyncio.gather(*(_post(port, each) for _ in range(COUNT_CONNECTIONS)))
+
+    asyncio.run(run())
+
+
+def instructions(code: Path, backend: str, extra: list[str], out: Path) -> float:
+    """Instructions a request of the router imported from ``code``, counted by callgrind."""
+    port = free_port()
+    python, env = python_from(code)
+    argv = [*python, *router_argv(backend, port, "--processes", "1", *extra)[1:]]
+    valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
+    server = Server(
+        [],
+        port,
+        "/ready",
+        argv=[*valgrind, *argv],
+        env=env,
+        own_group=True,
+        capture_stderr=False,
+        start_timeout_s=START_TIMEOUT_S,
+        stop_timeout_s=60,
+    )
+    with server:
+        assert server.proc is not None
+        pid = str(server.proc.pid)
+        _load(port, WARM_UP)
+        subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
+        _load(port, COUNTED)
+        subprocess.run(["callgrind_control", "--dump", pid], check=True, capture_output=True)
+    dump = Path(f"{out}.1")  # the first dump; the file without a suffix is the exit's
+    totals = re.search(r"^totals:\s*(\d+)", dump.read_text(errors="replace"), re.M)
+    if totals is None:
+        raise SystemExit(f"no totals in {dump}")
+    return int(totals[1]) / (COUNT_CONNECTIONS * (COUNTED // COUNT_CONNECTIONS))
+
+
+def count_instructions(args: argparse.Namespace, extra: list[str]) -> None:
+    """Each router under callgrind, one after the other (``--rounds`` times, alternating)."""
+    if shutil.which("valgrind") is None:
+        sys.exit("valgrind is required for --instructions")
+    with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        backend, _ = fixed_backend(stack, Path(tmp))
+        codes = {"this checkout": REPO, args.against: worktree(stack, args.against)}
+        names = list(codes)
+        counts: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            for i, name in enumerate(names[r % 2 :] + names[: r % 2]):
+                out = Path(tmp) / f"callgrind-{r}-{i}.out"
+                counts[name].append(instructions(codes[name], backend, extra, out))
+                print(f"round {r + 1} {name}: {counts[name][-1] / 1e3:,.0f}k", flush=True)
+        print(f"\ninstructions a request, medians of {args.rounds} rounds:")
+        for name in names:
+            print(f"{name:>16}: {statistics.median(counts[name]) / 1e3:,.0f}k")
 
 
 def main() -> None:
@@ -42,7 +137,13 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=6)
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--no-smg", action="store_true")
+    ap.add_argument("--instructions", action="store_true", help="count them under callgrind")
+    ap.add_argument("--router-args", default="", help="added to both routers' commands")
     args = ap.parse_args()
+    extra = shlex.split(args.router_args)
+    if args.instructions:
+        count_instructions(args, extra)
+        return
     for tool in ("wrk", "nginx", "git"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} is required")
@@ -51,8 +152,10 @@ def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         backend, lua = fixed_backend(stack, Path(tmp))
         servers = {
-            "this checkout": stack.enter_context(router(REPO, backend)),
-            args.against: stack.enter_context(router(worktree(stack, args.against), backend)),
+            "this checkout": stack.enter_context(router(REPO, backend, extra)),
+            args.against: stack.enter_context(
+                router(worktree(stack, args.against), backend, extra)
+            ),
         }
         if smg:
             servers["smg"] = stack.enter_context(smg_router(smg, backend))
