@@ -1,38 +1,39 @@
 """An answer's usage is read once from its last bytes, in each API's shape."""
 
+import pytest
+
 from switchyard.router.usage import Usage, read_usage, served_tokens
 
-
-def test_the_openai_shape_gives_prompt_completion_and_cached_tokens() -> None:
-    tail = (
-        b'data: {"usage": {"prompt_tokens": 120, "completion_tokens": 33,'
-        b' "prompt_tokens_details": {"cached_tokens": 96}}}\n\ndata: [DONE]'
-    )
-    assert read_usage(tail) == Usage(prompt=120, output=33, cached=96)
-
-
-def test_the_last_usage_in_a_stream_is_the_one_read() -> None:
-    tail = (
-        b'data: {"usage":{"prompt_tokens":9,"completion_tokens":1}}\n\n'
-        b'data: {"usage":{"prompt_tokens":9,"completion_tokens":4}}\n\n'
-    )
-    assert read_usage(tail) == Usage(prompt=9, output=4, cached=0)
-
-
-def test_anthropic_input_tokens_leave_out_those_read_and_written_to_the_cache() -> None:
-    tail = (
-        b'"usage":{"input_tokens":28,"output_tokens":4,'
-        b'"cache_read_input_tokens":768,"cache_creation_input_tokens":32}'
-    )
-    assert read_usage(tail) == Usage(prompt=828, output=4, cached=768)
+OPENAI = (
+    b'data: {"usage": {"prompt_tokens": 120, "completion_tokens": 33,'
+    b' "prompt_tokens_details": {"cached_tokens": 96}}}\n\ndata: [DONE]'
+)
+STREAM = (  # each chunk's usage, the last one whole
+    b'data: {"usage":{"prompt_tokens":9,"completion_tokens":1}}\n\n'
+    b'data: {"usage":{"prompt_tokens":9,"completion_tokens":4}}\n\n'
+)
+ANTHROPIC = (  # input tokens leave out those read from and written to the cache
+    b'"usage":{"input_tokens":28,"output_tokens":4,'
+    b'"cache_read_input_tokens":768,"cache_creation_input_tokens":32}'
+)
+RESPONSES = (  # input tokens are the whole prompt
+    b'"usage":{"input_tokens":796,"input_tokens_details":{"cached_tokens":768},'
+    b'"output_tokens":5,"output_tokens_details":{"reasoning_tokens":0}}'
+)
 
 
-def test_responses_input_tokens_are_the_whole_prompt() -> None:
-    tail = (
-        b'"usage":{"input_tokens":796,"input_tokens_details":{"cached_tokens":768},'
-        b'"output_tokens":5,"output_tokens_details":{"reasoning_tokens":0}}'
-    )
-    assert read_usage(tail) == Usage(prompt=796, output=5, cached=768)
+@pytest.mark.parametrize(
+    ("tail", "usage"),
+    [
+        (OPENAI, Usage(prompt=120, output=33, cached=96)),
+        (STREAM, Usage(prompt=9, output=4, cached=0)),
+        (ANTHROPIC, Usage(prompt=828, output=4, cached=768)),
+        (RESPONSES, Usage(prompt=796, output=5, cached=768)),
+    ],
+    ids=["openai", "the-last-in-a-stream", "anthropic", "responses"],
+)
+def test_usage_is_read_in_each_apis_shape(tail: bytes, usage: Usage) -> None:
+    assert read_usage(tail) == usage
 
 
 def test_an_answer_without_usage_reads_none() -> None:
