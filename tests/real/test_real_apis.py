@@ -19,13 +19,15 @@ import openai
 import orjson
 import pytest
 
+from switchyard.loadtest.prom import values
 from switchyard.mock.serve import build
 from switchyard.mock.settings import MockSettings
-from tests.real.conftest import MAX_MODEL_LEN, MODEL, start_router
+from tests.real.conftest import ADMIN_API_KEY, MAX_MODEL_LEN, MODEL, start_router
 from tests.support import Server
 from tools.realvllm import EngineOptions, VllmEngine, launch_engine, wait_healthy
 
 PUBLIC = "public-llama"
+SERVED = "switchyard_router_flow_served_tokens_total"
 SYSTEM = "You are a guide to the rivers of Europe; answer in one sentence. " * 30
 
 
@@ -95,6 +97,32 @@ def test_anthropic_sdk_message_and_stream(router: Server) -> None:
         message.usage.cache_read_input_tokens or 0
     ) + (message.usage.cache_creation_input_tokens or 0)
     print(f"\nmessages: events {sorted(set(kinds))}, usage {final.usage}")
+
+
+def served_tokens(router: Server) -> tuple[float, float]:
+    """(prompt, output) tokens flow control has charged its tenants, from /metrics."""
+    admin = {"Authorization": f"Bearer {ADMIN_API_KEY}"}
+    text = httpx.get(router.url + "/metrics", headers=admin, timeout=10).text
+    return sum(values(text, SERVED, kind="prompt")), sum(values(text, SERVED, kind="output"))
+
+
+def test_flow_control_charges_a_messages_answer_what_the_engine_reports(router: Server) -> None:
+    client = claude(router)
+    before = served_tokens(router)
+    message = client.messages.create(
+        model=MODEL,
+        max_tokens=5,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "Name a river in France."}],
+    )
+    after = served_tokens(router)
+    usage = message.usage
+    prompt = (
+        usage.input_tokens
+        + (usage.cache_read_input_tokens or 0)
+        + (usage.cache_creation_input_tokens or 0)
+    )
+    assert (after[0] - before[0], after[1] - before[1]) == (prompt, usage.output_tokens)
 
 
 def test_a_messages_conversations_second_turn_lands_on_the_first_turns_engine(
