@@ -545,18 +545,21 @@ class RouterApp:
             if admitted:
                 assert tenant is not None
                 self.tenants.release(tenant)
-            usage = ctx.usage if ctx is not None else None
-            if usage is not None and req is not None:
-                assert ctx is not None
-                if ctx.prefix is None or not ctx.prefix.exact:  # untokenized here
+            if ctx is not None:
+                usage = ctx.usage
+                if (
+                    usage is not None
+                    and req is not None
+                    and (ctx.prefix is None or not ctx.prefix.exact)  # untokenized here
+                ):
                     self.token_ratio.observe(req.prompt_chars, usage.prompt)
-            if grant is not None:
-                assert self.flow is not None
-                if ctx is not None:
+                if grant is not None:
+                    assert self.flow is not None
                     prompt, output = served_tokens(usage, ctx.prompt_tokens, ctx.generated)
                     self.flow.release(grant, prompt, output)
-                else:
-                    self.flow.release(grant, 0, 0)
+            elif grant is not None:
+                assert self.flow is not None
+                self.flow.release(grant, 0, 0)
             if trace is not None:
                 trace.end(status, worker_id)
         m = self.metrics
