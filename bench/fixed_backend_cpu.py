@@ -9,6 +9,7 @@ router CPU (its processes', from /proc) is divided by the requests it answered.
 
     python -m bench.fixed_backend_cpu [--against REV] [--rounds 4] [--duration 6]
         [--connections 32] [--no-smg] [--instructions] [--router-args "..."]
+        [--against-args "..."]
 
 ``--against`` (default ``HEAD``) is checked out into a temporary git worktree and run
 with ``python -P`` so that it imports its own code, not this checkout's.
@@ -19,7 +20,8 @@ process (``--processes 1``) under ``valgrind --tool=callgrind``; after ``WARM_UP
 requests the counters are zeroed, ``COUNTED`` requests follow over ``COUNT_CONNECTIONS``
 keep-alive connections, and the count is dumped. The event loop's batching moves the
 figure by about 1 % from run to run. ``--router-args`` are added to both routers'
-command lines (``--no-flow-enabled``, say, for what flow control costs).
+command lines, ``--against-args`` to the compared one's only: ``--against HEAD
+--against-args=--no-flow-enabled`` gives what flow control costs, in one run.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def instructions(code: Path, backend: str, extra: list[str], out: Path) -> float
     return int(totals[1]) / (COUNT_CONNECTIONS * (COUNTED // COUNT_CONNECTIONS))
 
 
-def count_instructions(args: argparse.Namespace, extra: list[str]) -> None:
+def count_instructions(args: argparse.Namespace, extra: dict[str, list[str]]) -> None:
     """Each router under callgrind, one after the other (``--rounds`` times, alternating)."""
     if shutil.which("valgrind") is None:
         sys.exit("valgrind is required for --instructions")
@@ -123,7 +125,7 @@ def count_instructions(args: argparse.Namespace, extra: list[str]) -> None:
         for r in range(args.rounds):
             for i, name in enumerate(names[r % 2 :] + names[: r % 2]):
                 out = Path(tmp) / f"callgrind-{r}-{i}.out"
-                counts[name].append(instructions(codes[name], backend, extra, out))
+                counts[name].append(instructions(codes[name], backend, extra[name], out))
                 print(f"round {r + 1} {name}: {counts[name][-1] / 1e3:,.0f}k", flush=True)
         print(f"\ninstructions a request, medians of {args.rounds} rounds:")
         for name in names:
@@ -139,8 +141,10 @@ def main() -> None:
     ap.add_argument("--no-smg", action="store_true")
     ap.add_argument("--instructions", action="store_true", help="count them under callgrind")
     ap.add_argument("--router-args", default="", help="added to both routers' commands")
+    ap.add_argument("--against-args", default="", help="added to the compared router's only")
     args = ap.parse_args()
-    extra = shlex.split(args.router_args)
+    both = shlex.split(args.router_args)
+    extra = {"this checkout": both, args.against: [*both, *shlex.split(args.against_args)]}
     if args.instructions:
         count_instructions(args, extra)
         return
@@ -152,9 +156,9 @@ def main() -> None:
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         backend, lua = fixed_backend(stack, Path(tmp))
         servers = {
-            "this checkout": stack.enter_context(router(REPO, backend, extra)),
+            "this checkout": stack.enter_context(router(REPO, backend, extra["this checkout"])),
             args.against: stack.enter_context(
-                router(worktree(stack, args.against), backend, extra)
+                router(worktree(stack, args.against), backend, extra[args.against])
             ),
         }
         if smg:

@@ -52,9 +52,9 @@ async def test_a_disaggregated_request_waits_in_the_router_and_takes_its_fair_tu
         first = asyncio.create_task(send(front, "f0", "key-f", 48))
         await eventually_async(lambda: decode.generations == 1, message="f0 never decoded")
         tasks = [asyncio.create_task(send(front, f"f{i}", "key-f", 2)) for i in (1, 2, 3)]
-        await eventually_async(lambda: len(flow.queue) == 3, message="the flood never queued")
+        await eventually_async(lambda: flow.queue.size == 3, message="the flood never queued")
         tasks.append(asyncio.create_task(send(front, "q0", "key-q", 2)))
-        await eventually_async(lambda: len(flow.queue) == 4, message="q0 never queued")
+        await eventually_async(lambda: flow.queue.size == 4, message="q0 never queued")
         assert decode.generations == 1  # the decode worker still holds only f0
         text = (await front.router.get("/metrics")).text
         saturated_then = metric(text, "switchyard_router_flow_saturated_models", model=MODEL)

@@ -42,7 +42,7 @@ async def test_a_saturated_fleet_shows_no_spare_worker_and_its_queue_and_oldest_
         await worker.reached("a")  # in flight: the worker is at its cap of one
         second, third = send(router, "b"), send(router, "c")
         flow = flow_of(router)
-        await eventually_async(lambda: len(flow.queue) == 2)
+        await eventually_async(lambda: flow.queue.size == 2)
         (count, enqueued_at) = flow.queue.by_model()["stub-model"]
         real_clock = flow.clock
         flow.clock = lambda: enqueued_at + 7.5  # the first waiter has waited 7.5 s

@@ -664,7 +664,7 @@ class SimFlow:
     def busy(self) -> bool:
         """Anything in flight or waiting: the scrapes matter only then (an idle worker is
         never saturated), so an idle gap runs no scrape."""
-        return bool(self.router.tickets) or bool(len(self.queue))
+        return bool(self.router.tickets) or bool(self.queue.size)
 
     def next_scrape(self) -> float:
         """The model time of the next scrape."""
@@ -714,7 +714,7 @@ class SimFlow:
                 self.refuse(index, tenant, len(ids), t, limited.reason)
                 return
         queue = self.queue
-        if not len(queue) and self.can_serve(MODEL, len(ids)):
+        if not queue.size and self.can_serve(MODEL, len(ids)):
             self.dispatch(index, tenant, request, t, reservation)
             return
         if identity.sheddable and not self.can_serve(MODEL, len(ids)):
@@ -745,7 +745,7 @@ class SimFlow:
             tenant = expired.identity.tenant
             self.cancel(reservation)
             self.refuse(index, tenant, len(request.prompt_token_ids), t, "queue_timeout")
-        while len(queue):
+        while queue.size:
             item = queue.pop(self.can_serve)
             if item is None:
                 break
@@ -791,14 +791,14 @@ class SimFlow:
             self.queue.charge(tenant, res.prompt_tokens, res.output_tokens)
             if reservation is not None and self.limiter is not None:
                 self.limiter.settle(reservation, res.prompt_tokens, res.output_tokens)
-        if len(self.queue):
+        if self.queue.size:
             self.pump()
 
     def first_token(self, fleet: VirtualFleet, res: RequestResult) -> None:
         """``FlowControl.prefilled``: the worker's queued prefill shrank, so a waiting
         request may fit now."""
         self.router.first_token(fleet, res)
-        if len(self.queue):
+        if self.queue.size:
             self.pump()
 
     def run(self, pull: Callable[[], Arrival | None]) -> None:
@@ -821,7 +821,7 @@ class SimFlow:
             fleet.now = t
             if scrape_t <= t:
                 self.scrape(self.tick + 1)
-                if len(self.queue):
+                if self.queue.size:
                     self.pump()
             if nxt is not None and arrival_t <= t:
                 index, _, ids, max_tokens = nxt

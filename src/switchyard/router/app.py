@@ -490,7 +490,7 @@ class RouterApp:
             if disaggregated:
                 assert self.pd is not None
                 ctx = self.pd.context(req, request_id)
-                if grant is not None:
+                if grant is not None and grant.starting:
                     assert flow is not None
                     # the handler reaches its first leg's worker before it first waits (on
                     # the network, or the KV store), and the pump this sets off runs then
@@ -502,7 +502,7 @@ class RouterApp:
                 )
                 if holder is not None:
                     ranked = _holder_first(ranked, holder)
-                if grant is not None:
+                if grant is not None and grant.starting:  # dispatched from the queue
                     assert flow is not None
                     flow.begun(grant)
                 if self._engine_priority and route in PRIORITY_ROUTES:

@@ -88,7 +88,7 @@ def send(
 
 async def queued(router: InProcessRouter, count: int) -> None:
     flow = flow_of(router)
-    await eventually_async(lambda: len(flow.queue) == count, message=f"never {count} queued")
+    await eventually_async(lambda: flow.queue.size == count, message=f"never {count} queued")
 
 
 async def finish_in_turn(worker: HeldWorker, count: int) -> None:
@@ -110,7 +110,7 @@ async def test_requests_pass_straight_through_while_no_worker_is_saturated() -> 
         tasks = [send(router, f"r{i}") for i in range(4)]
         for i in range(4):
             await worker.reached(f"r{i}")  # all four at the worker at once: none waited
-        assert len(flow_of(router).queue) == 0
+        assert flow_of(router).queue.size == 0
         for i in range(4):
             await worker.finish(f"r{i}")
         statuses = [(await task).status_code for task in tasks]
@@ -224,7 +224,7 @@ async def test_a_request_waiting_past_the_ttl_gets_429_queue_timeout() -> None:
         first = send(router, "f0")
         await worker.reached("f0")
         late = await send(router, "f1")
-        assert len(flow_of(router).queue) == 0
+        assert flow_of(router).queue.size == 0
         await worker.finish("f0")
         assert (await first).status_code == 200
     refused(late, 429, "queue_timeout")
@@ -274,7 +274,7 @@ async def test_a_client_that_leaves_while_queued_never_reaches_a_worker() -> Non
         await queued(router, 1)
         leave.set()
         await call
-        assert len(flow_of(router).queue) == 0
+        assert flow_of(router).queue.size == 0
         await worker.finish("f0")
         assert (await first).status_code == 200
         after = send(router, "f1")

@@ -152,7 +152,7 @@ async def test_a_request_let_in_without_an_estimate_is_refused_at_its_second_loo
     assert refused.value.headers["x-switchyard-reason"] == "queue_full"
     assert "retry-after" in refused.value.headers
     assert not quiet.done()  # a quarter-second away: it keeps its place
-    assert len(flow.queue) == 1
+    assert flow.queue.size == 1
     worker.totals.prefill_tokens = 0
     flow.prefilled()
     grant = await asyncio.wait_for(quiet, 1.0)

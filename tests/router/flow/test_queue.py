@@ -64,7 +64,7 @@ def test_higher_bands_go_first_whatever_the_counters(clock: Clock) -> None:
     order = [queue.pop() for _ in range(6)]
     assert [i.payload for i in order if i] == ["x", "h1", "h2", "n1", "n2", "l1"]
     assert queue.pop() is None
-    assert len(queue) == 0
+    assert queue.size == 0
 
 
 # -- fair share (VTC) ---------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_a_light_tenant_is_not_stuck_behind_a_heavy_ones_backlog(clock: Clock) -
     queue.push(req(clock, "light"))
     queue.push(req(clock, "light"))
     assert serve(queue, 6, output=10) == ["heavy", "light", "heavy", "light", "heavy", "heavy"]
-    assert len(queue) == 16
+    assert queue.size == 16
 
 
 def test_dispatch_alternates_even_before_any_answer_is_charged(clock: Clock) -> None:
@@ -221,7 +221,7 @@ def test_the_request_cap_is_per_band(clock: Clock) -> None:
     assert refused.value.reason == "queue_full"
     assert refused.value.retry_after_s == 5.0  # the oldest has waited this long
     queue.push(req(clock, "c", priority=1))
-    assert len(queue) == 3
+    assert queue.size == 3
 
 
 def test_the_byte_cap_is_per_band(clock: Clock) -> None:
@@ -235,7 +235,7 @@ def test_the_byte_cap_is_per_band(clock: Clock) -> None:
     queue.push(req(clock, priority=-1, size=900))
     queue.pop()
     queue.push(req(clock, size=600))  # room again once one has left
-    assert len(queue) == 3
+    assert queue.size == 3
 
 
 def test_retry_after_stays_within_one_second_and_the_ttl(clock: Clock) -> None:
@@ -251,7 +251,7 @@ def test_a_cap_of_zero_is_no_cap(clock: Clock) -> None:
     queue = make(clock, max_requests_per_band=0, max_bytes_per_band=0)
     for _ in range(50):
         queue.push(req(clock, size=10**9))
-    assert len(queue) == 50
+    assert queue.size == 50
 
 
 def test_requests_expire_after_the_ttl_and_are_never_dispatched(clock: Clock) -> None:
@@ -263,7 +263,7 @@ def test_requests_expire_after_the_ttl_and_are_never_dispatched(clock: Clock) ->
     assert queue.expire() == []
     clock.now = 30.0
     assert [i.payload for i in queue.expire()] == ["old"]
-    assert len(queue) == 1
+    assert queue.size == 1
     assert queue.sizes() == {(1, "b"): 1}
     clock.now = 40.0
     expired = queue.expire()
@@ -277,7 +277,7 @@ def test_no_ttl_means_nothing_expires(clock: Clock) -> None:
     queue.push(req(clock))
     clock.now = 10**6
     assert queue.expire() == []
-    assert len(queue) == 1
+    assert queue.size == 1
 
 
 def test_a_removed_request_is_never_dispatched(clock: Clock) -> None:
@@ -287,7 +287,7 @@ def test_a_removed_request_is_never_dispatched(clock: Clock) -> None:
     queue.push(req(clock, "a", name="stays"))
     assert queue.remove(gone)
     assert not queue.remove(gone)
-    assert len(queue) == 1
+    assert queue.size == 1
     assert queue.sizes() == {(0, "a"): 1}
     assert [i.payload for i in iter(queue.pop, None)] == ["stays"]
     assert not queue.remove(gone)
@@ -310,7 +310,7 @@ def test_many_removals_leave_the_queue_consistent(clock: Clock) -> None:
         assert queue.remove(item)
     popped = [i.payload for i in iter(queue.pop, None)]
     assert sorted(popped, key=int) == [str(i) for i in range(1, 400, 2)]
-    assert len(queue) == 0
+    assert queue.size == 0
 
 
 # -- per-model capacity ------------------------------------------------------------------
@@ -397,7 +397,7 @@ def test_drain_hands_back_everything_and_empties_the_queue(clock: Clock) -> None
     drained = queue.drain()
     assert [i.payload for i in drained] == ["h1", "n1", "n2", "l1"]
     assert not any(i.queued for i in drained)
-    assert len(queue) == 0 and queue.sizes() == {} and queue.pop() is None
+    assert queue.size == 0 and queue.sizes() == {} and queue.pop() is None
     assert not queue.remove(drained[0])
     queue.push(req(clock, name="after"))
     assert queue.pop().payload == "after"  # type: ignore[union-attr]

@@ -353,7 +353,7 @@ class FlowControl:
         ``prompt_tokens``; else None (``admit`` decides)."""
         if (
             self.limiter is not None
-            or len(self.queue)
+            or self.queue.size
             or not self.can_serve(model, prompt_tokens, candidates)
         ):
             return None
@@ -386,7 +386,7 @@ class FlowControl:
                     f"This tenant is over its {limited.kind} per minute; retry later",
                     limited.retry_after_s,
                 ) from None
-        if not len(self.queue) and self.can_serve(model, prompt_tokens):
+        if not self.queue.size and self.can_serve(model, prompt_tokens):
             return Grant(tenant, model, reservation, False)
         return await self._wait(identity, model, size_bytes, prompt_tokens, reservation)
 
@@ -466,7 +466,7 @@ class FlowControl:
 
     def stalled(self) -> bool:
         """Requests wait here and none left the queue for ``STALL_S``."""
-        return bool(len(self.queue)) and self._busy_clock() - self._progress_at > STALL_S
+        return bool(self.queue.size) and self._busy_clock() - self._progress_at > STALL_S
 
     def _yielding(self, now: float) -> bool:
         """A sibling heard lately saying its queue has stalled."""
@@ -499,7 +499,7 @@ class FlowControl:
         share of the TTL when the estimate runs short (engines slowing, bursts of
         dispatches), since those behind the head wait at least as long in turn."""
         ttl = self.queue.limits.ttl_s
-        if not ttl or not len(self.queue):
+        if not ttl or not self.queue.size:
             return
         wait = self.expected_wait_s(identity, prompt_tokens)
         head = self.queue.oldest(identity)
@@ -558,7 +558,7 @@ class FlowControl:
                 unsettled[1] += output_tokens
         if grant.reservation is not None and self.limiter is not None:
             self.limiter.settle(grant.reservation, prompt_tokens, output_tokens)
-        if len(self.queue):
+        if self.queue.size:
             self.pump()
 
     def settle(self) -> None:
@@ -576,7 +576,7 @@ class FlowControl:
     def prefilled(self) -> None:
         """A worker produced a first token: its queued prefill shrank, so a waiting
         request may fit now (rather than at the next tick)."""
-        if len(self.queue):
+        if self.queue.size:
             self.pump()
 
     def _started(self, model: str) -> None:
@@ -585,7 +585,7 @@ class FlowControl:
             self._starting[model] = left
         else:
             del self._starting[model]
-        if len(self.queue) and not self._pump_soon:
+        if self.queue.size and not self._pump_soon:
             # after the caller's task has gone on to its worker, whose in-flight count is
             # then up to date
             self._pump_soon = True
@@ -605,12 +605,12 @@ class FlowControl:
         for expired in queue.expire():
             self._refuse_expired(expired)
         self._second_look()
-        while len(queue):
+        while queue.size:
             item = queue.pop(self.can_serve)
             if item is None:
                 break
             self._dispatch(item)
-        if len(queue):
+        if queue.size:
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(PUMP_INTERVAL_S, self._tick)
         else:
@@ -620,7 +620,7 @@ class FlowControl:
                 self._timer.cancel()
                 self._timer = None
         if self.siblings is not None:
-            self._announce(bool(len(queue)))
+            self._announce(bool(queue.size))
 
     def _announce(self, waiting: bool) -> None:
         """Tell the siblings whether requests wait here, and whether they have stalled: at
@@ -655,7 +655,7 @@ class FlowControl:
             self._stalled_siblings[origin] = now
         else:
             freed |= self._stalled_siblings.pop(origin, None) is not None
-        if freed and len(self.queue):
+        if freed and self.queue.size:
             self.pump()
 
     def _tick(self) -> None:

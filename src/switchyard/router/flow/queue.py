@@ -153,12 +153,11 @@ class FlowQueue:
         self._order: list[int] = []  # negated priorities of the bands, ascending
         self._tenants: dict[str, _Tenant] = {}
         self._seq = itertools.count()
-        self._len = 0
+        # requests queued: an attribute, not ``__len__``, as every request's fast path
+        # reads it and a Python ``__len__`` costs a call
+        self.size = 0
         self._origin = clock()
         self._last_served: _Tenant | None = None
-
-    def __len__(self) -> int:
-        return self._len
 
     # -- VTC units ---------------------------------------------------------------------
 
@@ -260,7 +259,7 @@ class FlowQueue:
         band.fifo.append(item)
         if len(band.fifo) > 2 * band.count + _COMPACT_SLACK:
             band.fifo = deque(i for i in band.fifo if i.queued)
-        self._len += 1
+        self.size += 1
 
     def _key(self, item: Queued, seq: int) -> float:
         if self.limits.ordering == "fcfs":
@@ -319,7 +318,7 @@ class FlowQueue:
         request; one without is passed over, so one saturated model does not block
         another's, nor a long prompt a short one.
         """
-        if not self._len:
+        if not self.size:
             return None
         verdicts: dict[tuple[str, int], bool] = {}
         for negated in self._order:
@@ -390,7 +389,7 @@ class FlowQueue:
     def expire(self) -> list[Queued]:
         """Remove and return the requests queued for ``ttl_s`` or longer, oldest first."""
         ttl = self.limits.ttl_s
-        if ttl <= 0 or not self._len:
+        if ttl <= 0 or not self.size:
             return []
         now = self._clock()
         expired: list[Queued] = []
@@ -423,7 +422,7 @@ class FlowQueue:
         band.count -= 1
         band.bytes -= item.size_bytes
         band.tokens -= weight
-        self._len -= 1
+        self.size -= 1
         if member.live == 0:
             del band.members[tenant.name]
             band.orphans += listed
@@ -526,5 +525,5 @@ class FlowQueue:
             tenant.live = 0
         self._bands.clear()
         self._order.clear()
-        self._len = 0
+        self.size = 0
         return drained
