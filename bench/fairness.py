@@ -307,7 +307,7 @@ def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
         print(
             f"| {label} | {fmt(solo)} | {fmt(median(c.p50))} | {fmt(p90)} "
             f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(steps, '.1f')} "
-            f"| {fmt(median(c.share), '.2f')} | {fmt(median(c.remaining), '.2f')} "
+            f"| {fmt(median(c.share), '.3f')} | {fmt(median(c.remaining), '.3f')} "
             f"| {refused} | {fmt(max(c.refusal_max_ms, default=None))} | {c.no_retry_after} "
             f"| {c.lost} |"
         )
