@@ -4,6 +4,8 @@ always."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from switchyard.balancer.worker import Outcome
@@ -135,3 +137,43 @@ async def test_a_chat_whose_worker_died_after_reading_it_goes_to_another(
             statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
     assert statuses == [200, 200]
     assert engine.state.requests == 2
+
+
+class _SlowToDie(StubBackend):
+    """A killed engine whose last process still holds the listening socket: its port takes
+    ``accepting`` more connections once the request broke, then refuses."""
+
+    accepting: int | None = None
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.accepting is not None:
+            self.accepting -= 1
+            if self.accepting == 0 and self._server is not None:
+                self._server.close()  # the last process has ended
+        await super()._connection(reader, writer)
+
+
+async def test_a_worker_whose_port_takes_a_while_to_refuse_is_still_judged_gone(
+    engine: StubBackend,
+) -> None:
+    """A killed engine's processes end one by one: a port that accepts the first probes and
+    then refuses is a dead engine, and its chat goes to another worker."""
+    dying: _SlowToDie
+
+    async def route(request: StubRequest) -> StubReply | None:
+        if request.method == "POST":
+            dying.accepting = 6  # more probes than the first few
+            raise ConnectionResetError("died")
+        return None
+
+    dying = _SlowToDie(route)
+    config = {
+        "router": {"retry": {"started_requests": "never"}},
+        "balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000},
+    }
+    async with dying:
+        async with running_router(dying.url, engine.url, config=config, policy="round_robin") as r:
+            statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
+    assert statuses == [200, 200]
+    assert engine.state.requests == 2
+    assert dying.accepting == 0  # the probes went on until the port refused

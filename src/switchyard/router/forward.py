@@ -44,8 +44,9 @@ RETRYABLE_STATUS = frozenset({502, 503})
 WORKER_HEADER = b"x-switchyard-worker"
 # Failures before the response head that another worker may well not have.
 _RETRIED = frozenset({Outcome.CONNECT_ERROR, Outcome.TIMEOUT})
-# Tries of a broken worker's port, and the gap between them, before it counts as alive.
-_GONE_PROBES = 4
+# Tries of a broken worker's port, and the gap between them, before it counts as alive:
+# a second in all, as a killed engine's processes can take that long to end on a busy host.
+_GONE_PROBES = 20
 _GONE_PROBE_GAP_S = 0.05
 # The routes whose requests generate nothing: retried even where a worker may have begun.
 _NON_GENERATING = frozenset({EMBEDDINGS, *PASS_THROUGH})
