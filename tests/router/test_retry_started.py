@@ -112,6 +112,18 @@ async def test_a_refused_worker_is_retried_whatever_the_setting(engine: StubBack
     assert statuses == [200, 200]
 
 
+async def _two_chats_never_retrying_started(dying: StubBackend, engine: StubBackend) -> list[int]:
+    """Two chats, round robin from ``dying`` to ``engine``, with ``started_requests`` never:
+    only a worker proved gone has its chat retried."""
+    config = {
+        "router": {"retry": {"started_requests": "never"}},
+        "balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000},
+    }
+    async with dying:
+        async with running_router(dying.url, engine.url, config=config, policy="round_robin") as r:
+            return [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
+
+
 async def test_a_chat_whose_worker_died_after_reading_it_goes_to_another(
     engine: StubBackend,
 ) -> None:
@@ -128,14 +140,7 @@ async def test_a_chat_whose_worker_died_after_reading_it_goes_to_another(
         return None
 
     dying = StubBackend(route)
-    config = {
-        "router": {"retry": {"started_requests": "never"}},
-        "balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000},
-    }
-    async with dying:
-        async with running_router(dying.url, engine.url, config=config, policy="round_robin") as r:
-            statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
-    assert statuses == [200, 200]
+    assert await _two_chats_never_retrying_started(dying, engine) == [200, 200]
     assert engine.state.requests == 2
 
 
@@ -167,13 +172,6 @@ async def test_a_worker_whose_port_takes_a_while_to_refuse_is_still_judged_gone(
         return None
 
     dying = _SlowToDie(route)
-    config = {
-        "router": {"retry": {"started_requests": "never"}},
-        "balancer": {"probe_interval_s": 60, "cb_failure_threshold": 1000},
-    }
-    async with dying:
-        async with running_router(dying.url, engine.url, config=config, policy="round_robin") as r:
-            statuses = [(await r.post(CHAT[0], json=CHAT[1])).status_code for _ in range(2)]
-    assert statuses == [200, 200]
+    assert await _two_chats_never_retrying_started(dying, engine) == [200, 200]
     assert engine.state.requests == 2
     assert dying.accepting == 0  # the probes went on until the port refused
