@@ -88,16 +88,8 @@ def instructions(code: Path, backend: str, extra: list[str], out: Path) -> float
     python, env = python_from(code)
     argv = [*python, *router_argv(backend, port, "--processes", "1", *extra)[1:]]
     valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
-    server = Server(
-        [],
-        port,
-        "/ready",
-        argv=[*valgrind, *argv],
-        env=env,
-        own_group=True,
-        capture_stderr=False,
-        start_timeout_s=START_TIMEOUT_S,
-        stop_timeout_s=60,
+    server = process(
+        [*valgrind, *argv], port, "/ready", env, start_timeout_s=START_TIMEOUT_S, stop_timeout_s=60
     )
     with server:
         assert server.proc is not None

@@ -133,7 +133,13 @@ def run_wrk(
 
 
 def process(
-    argv: list[str], port: int, health_path: str, env: dict[str, str] | None = None
+    argv: list[str],
+    port: int,
+    health_path: str,
+    env: dict[str, str] | None = None,
+    *,
+    start_timeout_s: float = 30,
+    stop_timeout_s: float = 10,
 ) -> Server:
     """A server process in its own group, quiet, up once ``health_path`` answers."""
     return Server(
@@ -144,8 +150,8 @@ def process(
         env=env,
         own_group=True,
         capture_stderr=False,
-        start_timeout_s=30,
-        stop_timeout_s=10,
+        start_timeout_s=start_timeout_s,
+        stop_timeout_s=stop_timeout_s,
     )
 
 
