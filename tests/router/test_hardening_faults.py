@@ -23,8 +23,8 @@ pytestmark = pytest.mark.timeout(120)
 
 BODY = {"model": "stub-model", "prompt": "hi", "max_tokens": 8}
 ONE_TRY = {"router": {"retry": {"max_attempts": 1}}}
-# A generation a worker may have begun is retried elsewhere only where this is asked for.
-RETRY_STARTED = {"started_requests": "always"}
+# Where a generation a worker may have begun must not run again elsewhere.
+ONLY_EMBEDDINGS = {"router": {"retry": {"started_requests": "embeddings"}}}
 
 
 async def test_stream_cut_midway_ends_with_an_upstream_error_event(engine: StubBackend) -> None:
@@ -54,19 +54,18 @@ async def test_answer_cut_before_any_byte_was_sent_is_retried_elsewhere(
     engine: StubBackend, engine2: StubBackend
 ) -> None:
     engine.state.cut_after_chunks = 0
-    config = {"router": {"retry": RETRY_STARTED}}
-    async with running_router(
-        engine.url, engine2.url, config=config, policy="round_robin"
-    ) as router:
+    async with running_router(engine.url, engine2.url, policy="round_robin") as router:
         statuses = [(await router.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
     assert statuses == [200] * 4
 
 
-async def test_answer_cut_before_any_byte_was_sent_is_not_generated_again_by_default(
+async def test_answer_cut_before_any_byte_is_not_generated_again_where_the_setting_forbids(
     engine: StubBackend, engine2: StubBackend
 ) -> None:
     engine.state.cut_after_chunks = 0
-    async with running_router(engine.url, engine2.url, policy="round_robin") as router:
+    async with running_router(
+        engine.url, engine2.url, config=ONLY_EMBEDDINGS, policy="round_robin"
+    ) as router:
         statuses = [(await router.post("/v1/completions", json=BODY)).status_code for _ in range(4)]
     assert sorted(statuses) == [200, 200, 502, 502]
     assert engine.state.requests + engine2.state.requests == 4  # each generated once
@@ -75,14 +74,16 @@ async def test_answer_cut_before_any_byte_was_sent_is_not_generated_again_by_def
 async def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
     engine: StubBackend, engine2: StubBackend
 ) -> None:
-    """A hung engine (accepts, never answers, /health passes) in a two-engine fleet:
-    every request is answered within 20 s, and the engine stops getting traffic."""
+    """A hung engine (accepts, never answers, /health passes) in a two-engine fleet, the
+    default settings: every request is answered within 20 s, each abandoned attempt's
+    connection is closed (so a real engine aborts it), and the engine stops getting
+    traffic."""
     engine.state.hang = True
     engine2.state.chunk_interval_s = 0.001
     engine2.state.chunks = 3
     held_open = {
         "balancer": {"cb_open_timeout_s": 60},
-        "router": {"timeouts": {"first_byte_base_s": 1.0}, "retry": RETRY_STARTED},
+        "router": {"timeouts": {"first_byte_base_s": 1.0}},
     }
     async with running_router(
         engine.url, engine2.url, config=held_open, policy="round_robin"
@@ -101,6 +102,7 @@ async def test_hung_engine_requests_are_answered_elsewhere_and_it_is_taken_out(
         metrics = (await router.get("/metrics")).text
         assert metric(metrics, "switchyard_router_worker_routable", worker=engine.url) == 0.0
         hung_saw = engine.state.requests
+        assert len(engine.state.disconnected_at) == hung_saw > 0
         after = [await router.post("/v1/completions", json=BODY) for _ in range(4)]
     assert [r.status_code for r in after] == [200] * 4
     assert engine.state.requests == hung_saw
@@ -121,7 +123,6 @@ async def test_a_retried_answer_teaches_the_time_of_its_own_attempt_not_the_hung
         "router": {
             "admission": {"prior_tokens_per_s": 20.0},
             "timeouts": {"first_byte_base_s": 2.0},
-            "retry": RETRY_STARTED,
         }
     }
     async with running_router(
@@ -199,7 +200,6 @@ async def test_hung_engine_answers_a_completion_without_max_tokens_from_elsewher
     short = {
         "router": {
             "timeouts": {"first_byte_base_s": 0.5, "output_token_allowance_s": 0.01},
-            "retry": RETRY_STARTED,
         }
     }
     async with running_router(engine.url, engine2.url, config=short, policy="round_robin") as r:

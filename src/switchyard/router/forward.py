@@ -5,9 +5,11 @@ accounted call to one worker (``router.upstream.Call``), ``_relay_response`` the
 relay of its answer to the client. Retries happen only before any byte reached the
 client: on connect errors and 502/503 from the worker; and where the worker may have
 begun on the request (it closed after the request was written, its first byte or token
-was late, its answer broke off unrelayed) only as ``started_requests`` allows, since a
-generation retried runs again while the first worker may go on with it unseen, unless the
-worker's process is gone (its port refuses a new connection), when nothing goes on.
+was late, its answer broke off unrelayed) as ``started_requests`` allows, by default
+always: the abandoned attempt's connection is closed, and vLLM and SGLang abort a request
+whose client has gone, so it does not run on unseen. Where the setting forbids it, such a
+request still goes elsewhere once the worker's process is gone (its port refuses a new
+connection).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class Forwarder:
         kv: KVAwareness | None = None,
         ttft_model: TTFTModel | None = None,
         deadlines: FirstByteDeadlines | None = None,
-        started_requests: str = "embeddings",
+        started_requests: str = "always",
     ) -> None:
         """``deadlines``: when a worker's first byte is late enough to try another (None:
         only the relay's first-byte timeout). ``started_requests`` (``never``,

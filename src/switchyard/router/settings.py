@@ -141,12 +141,12 @@ class Retry(Group):
     backoff_max_s: float = Field(default=0.5, ge=0, description="retry backoff cap")
     after_s: int = Field(default=1, ge=0, description="Retry-After on 429/503 answers")
     started_requests: Literal["never", "embeddings", "always"] = Field(
-        default="embeddings",
+        default="always",
         description="retry on another worker a request the worker may have started (its "
         "connection closed after the request was written, no first byte or token in time, "
-        "an answer cut before any byte was relayed): never, embeddings (they generate "
-        "nothing), or always (a completion or chat may then be generated twice, once on a "
-        "worker that goes on with it unseen). Requests no worker can have started (refused, "
+        "an answer cut before any byte was relayed): always (the first attempt's "
+        "connection is closed, so vLLM and SGLang abort it), embeddings (only requests "
+        "that generate nothing), or never. Requests no worker can have started (refused, "
         "connect timeout, never written) and 502/503 answers are retried in any case",
     )
 
