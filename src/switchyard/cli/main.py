@@ -4,6 +4,7 @@ The services' commands (router, balancer, kvstore, mock) are generated from thei
 settings models (``switchyard.core.cliopts``); the tools (bench, demo, mock-fleet,
 simulate, plan) are plain click commands. Help is click help, which wraps at any width
 instead of truncating option names, and every usage error is one line on stderr, exit 2.
+``switchyard --version`` prints the installed version.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import click
 
 from switchyard.balancer.cli import command as balancer_command
 from switchyard.cli.doctor import command as doctor_command
+from switchyard.core.version import version
 from switchyard.kvstore.cli import command as kvstore_command
 from switchyard.loadtest.cli import bench_group, demo_command
 from switchyard.loadtest.simcli import plan_command, simulate_command
@@ -25,9 +27,23 @@ from switchyard.router.cli import command as router_command
 HELP = "Switchyard: router, DP balancer, KV metadata store and mock engines for LLM fleets."
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"switchyard {version()}")
+        ctx.exit(0)
+
+
 def cli() -> click.Group:
     """The whole command tree."""
-    group = click.Group("switchyard", help=HELP, no_args_is_help=True)
+    show_version = click.Option(
+        ["--version"],
+        is_flag=True,
+        expose_value=False,
+        is_eager=True,
+        callback=_print_version,
+        help="Print the installed version and exit.",
+    )
+    group = click.Group("switchyard", help=HELP, no_args_is_help=True, params=[show_version])
     for command in (router_command(), mock_command(), balancer_command(), kvstore_command()):
         group.add_command(command)
     group.add_command(doctor_command())

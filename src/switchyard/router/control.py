@@ -20,6 +20,7 @@ from switchyard.balancer.admin import admin_router
 from switchyard.balancer.worker import Role
 from switchyard.core.auth import RequireKey, admin_access, data_access, startup_line
 from switchyard.core.errors import install_error_handlers
+from switchyard.core.version import version
 from switchyard.router.flow.control import thresholds_of
 from switchyard.router.flow.saturation import saturated
 from switchyard.router.metrics import METRICS_DIR_ENV, flush_metric_files
@@ -196,7 +197,7 @@ def build_control_app(router: RouterApp) -> FastAPI:
         description="OpenAI-compatible router: control plane (the inference routes are "
         "POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/messages, "
         "/v1/responses, /v1/rerank, /v1/score, /tokenize and /detokenize).",
-        version="0.1.0",
+        version=version(),
         docs_url=None,
         redoc_url=None,
         openapi_url=None,
@@ -225,9 +226,11 @@ def build_control_app(router: RouterApp) -> FastAPI:
         startup_line("router", settings.admin_api_key, settings.api_key),
     )
 
-    @app.get("/health", summary="The router process is alive")
+    running = version()
+
+    @app.get("/health", summary="The router process is alive, and which version it runs")
     async def health() -> dict[str, str]:
-        return {"status": "ok"}
+        return {"status": "ok", "version": running}
 
     @app.get("/ready", summary="At least one worker, or a prefill/decode pair, is routable")
     async def ready() -> JSONResponse:

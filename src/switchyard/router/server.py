@@ -29,6 +29,7 @@ from switchyard.balancer.settings import BalancerSettings
 from switchyard.balancer.siblings import SiblingBus, SiblingShare
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import WorkerSpec
+from switchyard.core.version import version
 from switchyard.kvstore.build import store_from_settings
 from switchyard.kvstore.remote import RemoteKVStore
 from switchyard.kvstore.settings import KVStoreSettings
@@ -193,7 +194,8 @@ def startup_summary(settings: RouterSettings) -> list[str]:
         kv += f"; listening on {settings.kv.listen} for engines that connect"
     procs = f", {settings.process_count} processes" if settings.process_count > 1 else ""
     return [
-        f"switchyard router: listening on http://{settings.host}:{settings.port}{procs}",
+        f"switchyard router {version()}: listening on http://{settings.host}:{settings.port}"
+        f"{procs}",
         f"  workers: {len(specs)} ({fleet})",
         f"  policy: {settings.policy}",
         f"  kv: {kv}" + ("" if kv.startswith("off") else f"; block size {bs}; {tokens}"),
