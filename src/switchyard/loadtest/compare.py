@@ -18,11 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import httpx
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from switchyard.loadtest.ceiling import Ceiling, ceiling
 from switchyard.loadtest.client import Result, replay
@@ -32,6 +30,12 @@ from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
 from switchyard.loadtest.workload import Workload
 from switchyard.loadtest.workloads import build_workload
 from switchyard.mock.settings import DEFAULT_TOKENIZER
+
+if TYPE_CHECKING:
+    # The report library is imported where a run prints, so that ``switchyard simulate``,
+    # which shares this module's shapes, runs without the demo extra.
+    from rich.console import Console
+    from rich.progress import Progress
 
 MODEL = "mock-model"
 T = TypeVar("T")
@@ -150,6 +154,15 @@ def compare(
 ) -> Outcome:
     """Run the comparison: on ``fleet`` if given (left running), on ``cfg.workers`` (a
     running fleet, left running), else on a mock fleet of its own."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
     console = console or Console()
     started = time.monotonic()
     workload = build_workload(cfg.workload, cfg.seed, **cfg.workload_params)
@@ -248,6 +261,8 @@ def run_target(cfg: CompareConfig, target: str, console: Console | None = None) 
     Nothing is reset between runs (an arbitrary endpoint has no reset), the hit rate is
     the engines' own ``cached_tokens`` seen by the client, and the engines behind it are
     unknown (``engines`` 0, no load spread)."""
+    from rich.console import Console
+
     cfg = replace(cfg, engines=0)
     console = console or Console()
     started = time.monotonic()

@@ -7,17 +7,21 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from switchyard.loadtest.compare import Outcome, median_and_worst
 from switchyard.loadtest.metrics import Summary
 
+if TYPE_CHECKING:
+    # rich is imported by what prints a table, so that the JSON reports need no demo extra.
+    from rich.console import Console
+    from rich.table import Table
+
 
 def wide_console() -> Console:
     """A rich console; when output is not a terminal, wide enough for the whole table."""
+    from rich.console import Console
+
     console = Console()
     return console if console.is_terminal else Console(width=180)
 
@@ -62,6 +66,8 @@ def aggregate(outcome: Outcome) -> dict[str, dict[str, dict[str, float] | None]]
 
 
 def render_table(outcome: Outcome) -> Table:
+    from rich.table import Table
+
     cfg = outcome.config
     runs = max((len(outcome.runs_of(p)) for p in outcome.policies), default=0)
     title = (

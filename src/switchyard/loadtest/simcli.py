@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,29 @@ from switchyard.loadtest.cli import WORKLOADS, parse_params, require_demo_extra
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from switchyard.loadtest.simplan import Objective, Plan
+    from switchyard.loadtest.simplan import Objective, Plan, SplitPlan
     from switchyard.loadtest.simulate import SimConfig
     from switchyard.router.settings import Flow
+
+
+def _tables(as_json: bool, out: Path | None) -> Console | None:
+    """The console the tables go to, or None for a ``--json`` run without rich: the JSON
+    line needs no report library, so only the tables and plots ask for the demo extra."""
+    require_demo_extra(*(("matplotlib",) if out is not None else ()))
+    if importlib.util.find_spec("rich") is None and as_json:
+        return None
+    require_demo_extra("rich")
+    from switchyard.loadtest.report import wide_console
+
+    return wide_console()
+
+
+def _say(console: Console | None) -> Callable[[str], None]:
+    """Where progress and "wrote" lines go: the console, else stderr, since stdout is the
+    JSON line's."""
+    if console is not None:
+        return console.print
+    return lambda line: click.echo(line, err=True)
 
 
 @contextlib.contextmanager
@@ -163,8 +184,7 @@ def simulate_command(
     as_json: bool,
 ) -> None:
     """Replay a workload through the router's own policies over simulated engines (no HTTP)."""
-    require_demo_extra("rich", *(("matplotlib",) if out is not None else ()))
-    from switchyard.loadtest.report import wide_console
+    console = _tables(as_json, out)
     from switchyard.loadtest.simreport import print_table, write_reports
     from switchyard.loadtest.simulate import SimConfig, simulate
 
@@ -195,16 +215,17 @@ def simulate_command(
         flow_settings=flow_settings(parse_params(flow_option)),
         scrape_interval_ms=scrape_interval_ms,
     )
-    console = wide_console()
     try:
         with _router_notes_quiet():
             outcome = simulate(cfg)
     except (ValueError, TypeError) as exc:
         raise click.BadParameter(str(exc)) from exc
-    print_table(outcome, console)
+    if console is not None:
+        print_table(outcome, console)
     if out is not None:
+        say = _say(console)
         for path in write_reports(outcome, out):
-            console.print(f"wrote {path}")
+            say(f"wrote {path}")
     if as_json:
         sys.stdout.flush()
         print(json.dumps(outcome.headline()))
@@ -277,6 +298,7 @@ def flow_settings(options: dict[str, object]) -> Flow:
     type=int,
     help="Instead: the best prefill:decode split (xPyD) of this many engines.",
 )
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON line of the answer.")
 def plan_command(
     rate: float,
     slo_ttft_ms: float,
@@ -292,13 +314,11 @@ def plan_command(
     mock_config: Path | None,
     out: Path | None,
     pd_engines: int | None,
+    as_json: bool,
 ) -> None:
     """The fewest simulated engines that meet a TTFT/TPOT objective at a rate, or the
     best prefill:decode split of a given fleet (--pd-engines)."""
-    require_demo_extra("rich", *(("matplotlib",) if out is not None else ()))
-    from rich.table import Table
-
-    from switchyard.loadtest.report import wide_console
+    console = _tables(as_json, out)
     from switchyard.loadtest.simplan import Objective, assumptions, plan
     from switchyard.loadtest.simulate import SimConfig
 
@@ -315,15 +335,20 @@ def plan_command(
         slo_tpot_ms=slo_tpot_ms,
         record_token_times=False,
     )
+    say = _say(console)
     with _router_notes_quiet():
-        console = wide_console()
         objective = Objective(slo_ttft_ms, slo_tpot_ms)
         if pd_engines is not None:
             title = (
                 f"{workload} at {rate:g} req/s on {pd_engines} engines: objective TTFT p90 ≤ "
                 f"{slo_ttft_ms:g} ms, TPOT p90 ≤ {slo_tpot_ms:g} ms"
             )
-            print_split(console, base, objective, policy, pd_engines, title)
+            split = search_split(say, base, objective, policy, pd_engines)
+            if console is not None:
+                print_split(console, base, split, title)
+            if as_json:
+                sys.stdout.flush()
+                print(json.dumps({**split.as_json(), "assumed": split_assumptions(base)}))
             return
         try:
             result = plan(
@@ -332,63 +357,92 @@ def plan_command(
                 policy,
                 [p.strip() for p in compare.split(",") if p.strip()],
                 max_engines,
-                on_probe=lambda n, run: console.print(
+                on_probe=lambda n, run: say(
                     f"  {n} engines: TTFT p90 {run.summary.ttft_ms['p90']:.0f} ms, TPOT p90 "
                     f"{run.summary.tpot_ms['p90'] or 0:.1f} ms"
                 ),
             )
         except (ValueError, TypeError) as exc:
             raise click.BadParameter(str(exc)) from exc
-        table = Table(
-            title=f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
-            f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
-        )
-        for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
-            table.add_column(col, justify="right")
-        for n, run in sorted(result.probes.items()):
-            s = run.summary
-            table.add_row(
-                str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
-                f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
-            )  # fmt: skip
-        for run in result.compared[1:]:
-            s = run.summary
-            table.add_row(
-                str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
-                f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
-                "yes" if objective.met(run) else "no",
-            )  # fmt: skip
-        console.print(table)
-        if result.engines is None:
-            console.print(f"No fleet up to {max_engines} engines meets the objective.")
-        else:
-            console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
-        console.print(f"Assumed: {assumptions(base)}")
+        if console is not None:
+            title = (
+                f"{workload} at {rate:g} req/s: objective TTFT p90 ≤ {slo_ttft_ms:g} ms, "
+                f"TPOT p90 ≤ {slo_tpot_ms:g} ms"
+            )
+            print_plan(console, base, result, max_engines, title)
         if out is not None:
-            console.print(f"wrote {plot_plan(result, out)}")
+            say(f"wrote {plot_plan(result, out)}")
+        if as_json:
+            sys.stdout.flush()
+            answer = {**result.as_json(), "max_engines": max_engines}
+            print(json.dumps({**answer, "assumed": assumptions(base)}))
 
 
-def print_split(
-    console: Console, base: SimConfig, objective: Objective, policy: str, engines: int, title: str
+def print_plan(
+    console: Console, base: SimConfig, result: Plan, max_engines: int, title: str
 ) -> None:
-    """The xPyD search's table, its answer and what it assumed."""
+    """The engine search's table, its answer and what it assumed."""
     from rich.table import Table
 
-    from switchyard.loadtest.simplan import assumptions, plan_split
+    from switchyard.loadtest.simplan import assumptions
+
+    objective, policy = result.objective, result.policy
+    table = Table(title=title)
+    for col in ("engines", "policy", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "met"):
+        table.add_column(col, justify="right")
+    for n, run in sorted(result.probes.items()):
+        s = run.summary
+        table.add_row(
+            str(n), policy, f"{s.ttft_ms['p90']:.0f}", f"{s.tpot_ms['p90'] or 0:.1f}",
+            f"{s.hit_rate:.3f}", "yes" if objective.met(run) else "no",
+        )  # fmt: skip
+    for run in result.compared[1:]:
+        s = run.summary
+        table.add_row(
+            str(result.engines), run.policy, f"{s.ttft_ms['p90']:.0f}",
+            f"{s.tpot_ms['p90'] or 0:.1f}", f"{s.hit_rate:.3f}",
+            "yes" if objective.met(run) else "no",
+        )  # fmt: skip
+    console.print(table)
+    if result.engines is None:
+        console.print(f"No fleet up to {max_engines} engines meets the objective.")
+    else:
+        console.print(f"Fewest engines meeting the objective with {policy}: {result.engines}.")
+    console.print(f"Assumed: {assumptions(base)}")
+
+
+def search_split(
+    say: Callable[[str], None], base: SimConfig, objective: Objective, policy: str, engines: int
+) -> SplitPlan:
+    """The xPyD search, each split's figures said as it is simulated."""
+    from switchyard.loadtest.simplan import plan_split
 
     try:
-        result = plan_split(
+        return plan_split(
             base,
             objective,
             policy,
             engines,
-            on_probe=lambda p, run: console.print(
+            on_probe=lambda p, run: say(
                 f"  {p}P{engines - p}D: TTFT p90 {run.summary.ttft_ms['p90'] or 0:.0f} ms, "
                 f"TPOT p90 {run.summary.tpot_ms['p90'] or 0:.1f} ms"
             ),
         )
     except (ValueError, TypeError) as exc:
         raise click.BadParameter(str(exc)) from exc
+
+
+def split_assumptions(base: SimConfig) -> str:
+    from switchyard.loadtest.simplan import assumptions
+
+    return assumptions(dataclasses.replace(base, prefill_engines=1))
+
+
+def print_split(console: Console, base: SimConfig, result: SplitPlan, title: str) -> None:
+    """The xPyD search's table, its answer and what it assumed."""
+    from rich.table import Table
+
+    objective, policy, engines = result.objective, result.policy, result.engines
     table = Table(title=title)
     for col in ("split", "TTFT p90 ms", "TPOT p90 ms", "hit rate", "goodput req/s", "met"):
         table.add_column(col, justify="right")
@@ -407,7 +461,7 @@ def print_split(
             f"Best split with {policy}: {best}P{engines - best}D "
             f"(the most headroom: {result.headroom(best):.2f} of the objective)."
         )
-    console.print(f"Assumed: {assumptions(dataclasses.replace(base, prefill_engines=1))}")
+    console.print(f"Assumed: {split_assumptions(base)}")
 
 
 def plot_plan(result: Plan, out: Path) -> Path:

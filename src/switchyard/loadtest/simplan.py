@@ -13,8 +13,10 @@ beyond); the best split meets the objective with the most headroom.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from switchyard.loadtest.simulate import PolicyRun, SimConfig, simulate
 
@@ -46,6 +48,27 @@ class Objective:
             and (tpot is None or tpot <= self.tpot_p90_ms)
         )
 
+    def figures(self, run: PolicyRun) -> dict[str, Any]:
+        """What a plan's tables show of one run, for ``--json``."""
+        s = run.summary
+        return {
+            "ttft_p90_ms": _rounded(s.ttft_ms["p90"]),
+            "tpot_p90_ms": _rounded(s.tpot_ms["p90"]),
+            "hit_rate": round(s.hit_rate, 4),
+            "goodput_rps": round(s.goodput_rps, 3),
+            "errors": s.errors,
+            "met": self.met(run),
+        }
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: a split that served no first token has no headroom figure."""
+    return round(value, 4) if math.isfinite(value) else None
+
 
 @dataclass
 class Plan:
@@ -54,6 +77,19 @@ class Plan:
     probes: dict[int, PolicyRun] = field(default_factory=dict)
     engines: int | None = None  # the fewest that met the objective, None if none did
     compared: list[PolicyRun] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        """The answer and every probe, the one line ``plan --json`` ends with."""
+        fig = self.objective.figures
+        return {
+            "objective": dataclasses.asdict(self.objective),
+            "policy": self.policy,
+            "engines": self.engines,
+            "probes": [{"engines": n, **fig(run)} for n, run in sorted(self.probes.items())],
+            "compared": [
+                {"policy": run.policy, "engines": self.engines, **fig(run)} for run in self.compared
+            ],
+        }
 
 
 def plan(
@@ -113,6 +149,26 @@ class SplitPlan:
         ttft = (s.ttft_ms["p90"] or float("inf")) / self.objective.ttft_p90_ms
         tpot = (s.tpot_ms["p90"] or 0.0) / self.objective.tpot_p90_ms
         return max(ttft, tpot)
+
+    def as_json(self) -> dict[str, Any]:
+        """Every split tried and the best, the one line ``plan --pd-engines --json`` ends
+        with."""
+        best = self.best
+        return {
+            "objective": dataclasses.asdict(self.objective),
+            "policy": self.policy,
+            "engines": self.engines,
+            "splits": [
+                {
+                    "prefill": p,
+                    "decode": self.engines - p,
+                    **self.objective.figures(run),
+                    "headroom": _finite(self.headroom(p)),
+                }
+                for p, run in sorted(self.runs.items())
+            ],
+            "best": None if best is None else {"prefill": best, "decode": self.engines - best},
+        }
 
 
 def splits(engines: int) -> list[int]:

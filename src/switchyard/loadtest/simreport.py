@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING, Any
 
 from switchyard.loadtest.report import render_table, to_json
 from switchyard.loadtest.simulate import SimOutcome
 from switchyard.router.settings import Flow
+
+if TYPE_CHECKING:
+    # rich is imported by the tables, so that ``simulate --json`` needs no demo extra.
+    from rich.console import Console
+    from rich.table import Table
 
 
 def print_table(outcome: SimOutcome, console: Console) -> None:
@@ -57,6 +59,8 @@ def rate_limits(flow: Flow) -> str:
 
 def tenant_table(outcome: SimOutcome) -> Table:
     """Per policy and tenant: requests, served, refused by reason, TTFT and queue wait."""
+    from rich.table import Table
+
     table = Table(title=f"Per tenant, {outcome.workload.name} (simulated)")
     columns = (
         "policy", "tenant", "requests", "served", "refused", "TTFT p50 ms", "TTFT p90 ms",
