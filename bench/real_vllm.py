@@ -155,7 +155,7 @@ def compare_on(
             fleet.reset()
             before, sums = fleet.counters(), engine_sums(fleet)
             try:
-                router = start_router(spec, fleet.engines, timeout_s=60.0)
+                router = start_router(spec, fleet.engines, timeout_s=60.0, model=MODEL)
             except Unavailable as exc:
                 if not outcome.runs_of(spec.label):
                     outcome.unavailable[spec.label] = str(exc)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,30 @@ def test_router_specs_name_ours_or_smg() -> None:
     )
     with pytest.raises(ValueError, match="unknown router kind"):
         RouterSpec.parse("nginx:round_robin")
+
+
+def test_vllm_router_kv_aware_reads_each_engines_events_and_replay_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    @dataclass
+    class Engine:
+        url: str
+        kv_events: str | None
+        kv_replay: str | None
+
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setenv("SWITCHYARD_ROUTER_BLOCK_SIZE", "32")
+    spec = RouterSpec.parse("vllm-router:kv_aware")
+    assert (spec.kind, spec.policy, spec.ready_path) == ("vllm-router", "kv_aware", "/health")
+    engines = [Engine("http://e1", "tcp://e1:1", "tcp://e1:2"), Engine("http://e2", None, None)]
+    command = spec.command(engines, 8000, "tok", "served")  # type: ignore[arg-type]
+    assert command[0] == "/usr/bin/vllm-router"
+    pairs = list(zip(command, command[1:], strict=False))
+    assert ("--kv-event-source", "http://e1=tcp://e1:1") in pairs
+    assert ("--kv-event-replay-source", "http://e1=tcp://e1:2") in pairs
+    assert ("--kv-event-block-size", "32") in pairs
+    assert ("--kv-event-model", "served") in pairs
+    assert not any(value.startswith("http://e2=") for _, value in pairs)
 
 
 def test_a_router_spec_may_set_our_process_count() -> None:

@@ -140,7 +140,7 @@ def _one_run(
     """Results, and per engine how much each of its counters grew during the run."""
     fleet.reset()
     before = fleet.counters()
-    with start_router(spec, fleet.engines, DEFAULT_TOKENIZER) as router:
+    with start_router(spec, fleet.engines, DEFAULT_TOKENIZER, model=model) as router:
         time.sleep(cfg.settle_s)
         results = asyncio.run(
             replay(router.url, workload, model, cfg.request_timeout_s, on_done=on_done)

@@ -1,14 +1,15 @@
 """Router configurations under comparison: ours by policy name, or a peer such as smg.
 
 A spec is ``policy`` (``switchyard router --policy policy``), ``policy@N`` (the same with
-``--processes N``) or ``smg:policy`` (the smg router, only when the ``smg`` command is
-installed). A config that cannot start,
+``--processes N``), ``smg:policy`` or ``vllm-router:policy`` (those routers, only when
+their command is installed). A config that cannot start,
 for example a policy this router does not know yet, is reported as unavailable with
 the reason it gave, instead of ending the whole comparison.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
@@ -26,8 +27,10 @@ from switchyard.loadtest.procs import (
 )
 from switchyard.mock.settings import DEFAULT_TOKENIZER
 
+# Peer routers, by the command that runs them (only where it is installed).
+PEERS = ("smg", "vllm-router")
 # Policies that read prefixes: they get the tokenizer and each engine's KV-event endpoint.
-PREFIX_POLICIES = {"kv_aware", "cache_aware"}
+PREFIX_POLICIES = {"kv_aware", "cache_aware", "latency"}
 
 
 class Unavailable(RuntimeError):
@@ -37,7 +40,7 @@ class Unavailable(RuntimeError):
 @dataclass(frozen=True)
 class RouterSpec:
     label: str
-    kind: str  # "switchyard" or "smg"
+    kind: str  # "switchyard", "smg" or "vllm-router"
     policy: str
     processes: int | None = None  # ours: --processes (None: its default)
     code: Path | None = None  # ours: run from this checkout instead of the installed one
@@ -58,11 +61,19 @@ class RouterSpec:
             if not count.isdigit() or int(count) < 1:
                 raise ValueError(f"{text!r}: the process count after @ must be a positive integer")
             return cls(text.strip(), "switchyard", policy, int(count))
-        if kind != "smg":
-            raise ValueError(f"unknown router kind {kind!r} in {text!r} (use POLICY or smg:POLICY)")
-        return cls(text.strip(), "smg", policy)
+        if kind not in PEERS:
+            raise ValueError(
+                f"unknown router kind {kind!r} in {text!r} (use POLICY, smg:POLICY or "
+                "vllm-router:POLICY)"
+            )
+        return cls(text.strip(), kind, policy)
 
-    def command(self, engines: list[Engine], port: int, tokenizer: str) -> list[str]:
+    def command(
+        self, engines: list[Engine], port: int, tokenizer: str, model: str | None = None
+    ) -> list[str]:
+        """``model``: the served model's name, which vllm-router's kv_aware needs."""
+        if self.kind == "vllm-router":
+            return self._vllm_router(engines, port, model)
         if self.kind == "smg":
             exe = shutil.which("smg")
             if exe is None:
@@ -86,6 +97,31 @@ class RouterSpec:
                     args += ["--kv-events", f"{e.url}={e.kv_events}"]
         return args
 
+    def _vllm_router(self, engines: list[Engine], port: int, model: str | None) -> list[str]:
+        """vllm-router; its kv_aware policy reads each engine's KV events (and replay
+        socket, where the engine names one) at the engines' block size."""
+        exe = shutil.which("vllm-router")
+        if exe is None:
+            raise Unavailable("vllm-router is not installed")
+        args = [
+            exe, "--worker-urls", *[e.url for e in engines], "--policy", self.policy,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-port", str(free_port_block(1)), "--log-level", "error",
+        ]  # fmt: skip
+        if self.policy == "kv_aware":
+            for e in engines:
+                if e.kv_events:
+                    args += ["--kv-event-source", f"{e.url}={e.kv_events}"]
+                replay = getattr(e, "kv_replay", None)
+                if isinstance(replay, str) and replay:
+                    args += ["--kv-event-replay-source", f"{e.url}={replay}"]
+            block_size = os.environ.get("SWITCHYARD_ROUTER_BLOCK_SIZE")
+            if block_size:
+                args += ["--kv-event-block-size", block_size]
+            if model:
+                args += ["--kv-event-model", model]
+        return args
+
     def environ(self) -> dict[str, str]:
         """The router's environment: ours imports from ``code`` when it is set."""
         _, env = python_from(self.code)
@@ -94,7 +130,7 @@ class RouterSpec:
 
     @property
     def ready_path(self) -> str:
-        return "/readiness" if self.kind == "smg" else "/ready"
+        return {"smg": "/readiness", "vllm-router": "/health"}.get(self.kind, "/ready")
 
 
 @dataclass
@@ -135,11 +171,12 @@ def start_router(
     tokenizer: str = DEFAULT_TOKENIZER,
     timeout_s: float = 30.0,
     port: int = 0,
+    model: str | None = None,
 ) -> RunningRouter:
     """Start one router config in front of ``engines`` (on ``port``, or a free one if 0);
     ``Unavailable`` if it cannot run."""
     port = port or free_port_block(1)
-    command = spec.command(engines, port, tokenizer)
+    command = spec.command(engines, port, tokenizer, model)
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=spec.environ())
     router = RunningRouter(spec, f"http://127.0.0.1:{port}", proc, log)

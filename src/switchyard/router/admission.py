@@ -134,6 +134,10 @@ class TTFTModel:
             return self.s_per_token(worker_id, STREAM)
         return self.prior_s_per_token
 
+    def prefill_s_per_token(self, worker_id: str) -> float | None:
+        """The worker's own learned first-token rate (``scheduler.scorers.PrefillSpeeds``)."""
+        return self.rate.get((worker_id, STREAM))
+
     def learned(self, worker_id: str, kind: str) -> bool:
         """Whether answers of ``kind`` were observed (from this worker or the fleet)."""
         return (worker_id, kind) in self.rate or kind in self.fleet_rate

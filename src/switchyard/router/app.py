@@ -69,6 +69,7 @@ from switchyard.router.request import (
     parse,
 )
 from switchyard.router.scheduler.framework import Context, Explanation, Scheduler
+from switchyard.router.scheduler.scorers import LatencyScorer
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tenants import TenantRequests
 from switchyard.router.tracing import REQUEST_ID, RequestTrace, Tracing, build_tracing
@@ -173,6 +174,10 @@ class RouterApp:
         self.ttft_model = TTFTModel(
             settings.admission.prior_tokens_per_s, self.metrics.ttft_prediction
         )
+        for sched in (scheduler, *self.model_schedulers.values()):
+            for scorer, _ in sched.scorers:
+                if isinstance(scorer, LatencyScorer):
+                    scorer.speeds = self.ttft_model
         self.admission = Admission(
             self.ttft_model,
             self.metrics,

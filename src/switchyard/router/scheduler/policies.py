@@ -38,6 +38,7 @@ from switchyard.router.scheduler.scorers import (
     InflightScorer,
     KVAwareScorer,
     KVPressureScorer,
+    LatencyScorer,
     LoraAffinityScorer,
     PrefixCacheScorer,
     QueueScorer,
@@ -63,6 +64,7 @@ SCORERS: dict[str, Plugin[Scorer]] = {
     "load": Plugin(NoParams, lambda p, bs: InflightScorer()),
     "prefix_cache": Plugin(NoParams, lambda p, bs: PrefixCacheScorer()),
     "kv_aware": Plugin(KVAwareScorer.Params, lambda p, bs: KVAwareScorer(p, block_size=bs)),
+    "latency": Plugin(LatencyScorer.Params, lambda p, bs: LatencyScorer(p, block_size=bs)),
     "kv_pressure": Plugin(NoParams, lambda p, bs: KVPressureScorer()),
     "queue": Plugin(NoParams, lambda p, bs: QueueScorer()),
     "session_affinity": Plugin(NoParams, lambda p, bs: SessionAffinityScorer()),
@@ -104,6 +106,10 @@ NAMED: dict[str, NamedPolicy] = {
     # cost already keys an adapter's cached prefix with its name; affinity spares a slot swap.
     "kv_aware": NamedPolicy(
         {"kv_aware": 1.0, "lora_affinity": 1.0}, "max_score", True, {"tie_tolerance": 0.02}
+    ),
+    # kv_aware's cost with each worker's work priced at its learned prefill speed.
+    "latency": NamedPolicy(
+        {"latency": 1.0, "lora_affinity": 1.0}, "max_score", True, {"tie_tolerance": 0.02}
     ),
 }
 

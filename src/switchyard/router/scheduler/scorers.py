@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import statistics
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,18 +99,7 @@ class KVAwareScorer:
         matched = ctx.matched
         m = [matched.get(w.id, 0.0) for w in workers] if matched else [0.0] * len(workers)
         best_match = max(m, default=0.0)
-        # Occupancy counts in tenths of the fullest cache: full caches that differ by a
-        # block or two are equal, an empty cache beats a full one by ten steps. It only
-        # matters where some worker holds part of the prompt; without reuse anywhere it
-        # would skew request counts for nothing.
-        fullest = 0
-        tenths = [0] * len(workers)
-        if best_match > 0 and ctx.cached_blocks:
-            cached = ctx.cached_blocks
-            blocks = [cached.get(w.id, 0) for w in workers]
-            fullest = max(blocks, default=0)
-            if fullest:
-                tenths = [int(10 * b / fullest) for b in blocks]
+        tenths = self._tenths(ctx, workers, best_match)
         pw, dw = self.prefill_weight, self.decode_weight
         ow, rw = self.occupancy_weight, self.replication_weight
         total = ctx.prompt_tokens
@@ -127,10 +117,102 @@ class KVAwareScorer:
             )
         return out
 
+    @staticmethod
+    def _tenths(ctx: Context, workers: list[Worker], best_match: float) -> list[int]:
+        """Occupancy in tenths of the fullest cache: full caches that differ by a block or
+        two are equal, an empty cache beats a full one by ten steps. It only matters
+        where some worker holds part of the prompt; without reuse anywhere it would skew
+        request counts for nothing."""
+        if best_match > 0 and ctx.cached_blocks:
+            cached = ctx.cached_blocks
+            blocks = [cached.get(w.id, 0) for w in workers]
+            fullest = max(blocks, default=0)
+            if fullest:
+                return [int(10 * b / fullest) for b in blocks]
+        return [0] * len(workers)
+
     def score(self, ctx: Context, workers: list[Worker]) -> list[float]:
         costs = self.costs(ctx, workers)
         best = min(costs)
         return [(best + 1.0) / (c + 1.0) for c in costs]
+
+
+class PrefillSpeeds(Protocol):
+    """Each worker's learned seconds per prefill token (the router's TTFT model)."""
+
+    def prefill_s_per_token(self, worker_id: str) -> float | None:
+        """The worker's own learned rate; None until it has answered."""
+
+
+class LatencyScorer(KVAwareScorer):
+    """Predicted time to first token here: ``kv_aware``'s cost with each worker's work
+    priced at its own learned prefill speed.
+
+    The prefill and decode terms are work this worker must do before the request's first
+    token, so they are scaled by its seconds per prefill token over the candidates'
+    median: a worker half as fast costs twice as much for the same queue. The cache
+    terms (occupancy, replication) are about the fleet's caches, not this worker's
+    speed, and stay at the median's price. Speeds within ``dead_band`` of the median
+    count as the median, so on equal engines the learned rates' noise changes nothing
+    and the policy decides as ``kv_aware``. Until some worker has answered, every speed
+    is the median.
+    """
+
+    name = "latency"
+    uses_prefix = True
+
+    class Params(KVAwareScorer.Params):
+        dead_band: float = Field(
+            default=0.2,
+            ge=0,
+            description="relative speed difference to the median treated as none",
+        )
+
+    def __init__(self, params: Params | None = None, *, block_size: int) -> None:
+        p = params or self.Params()
+        super().__init__(p, block_size=block_size)
+        self.dead_band = p.dead_band
+        # Bound by the router once its TTFT model exists (``RouterApp``); None: equal speeds.
+        self.speeds: PrefillSpeeds | None = None
+
+    def factors(self, workers: list[Worker]) -> list[float]:
+        """Each worker's prefill time per token over the candidates' median (1 if unknown)."""
+        speeds = self.speeds
+        if speeds is None:
+            return [1.0] * len(workers)
+        rates = [speeds.prefill_s_per_token(w.id) for w in workers]
+        known = [r for r in rates if r]
+        if not known:
+            return [1.0] * len(workers)
+        median = statistics.median(known)
+        band = self.dead_band
+        out = []
+        for r in rates:
+            f = r / median if r else 1.0
+            out.append(1.0 if abs(f - 1.0) <= band else f)
+        return out
+
+    def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
+        factors = self.factors(workers)
+        if all(f == 1.0 for f in factors):
+            return super().costs(ctx, workers)
+        bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
+        matched = ctx.matched
+        m = [matched.get(w.id, 0.0) for w in workers] if matched else [0.0] * len(workers)
+        best_match = max(m, default=0.0)
+        tenths = self._tenths(ctx, workers, best_match)
+        pw, dw = self.prefill_weight, self.decode_weight
+        ow, rw = self.occupancy_weight, self.replication_weight
+        total = ctx.prompt_tokens
+        out = []
+        for w, mi, tn, f in zip(workers, m, tenths, factors, strict=True):
+            prefill, decode = w.queued_tokens()
+            uncached = total - mi
+            if not uncached > 0.0:
+                uncached = 0.0
+            work = pw * ((uncached + prefill) / bs) + dw * (decode / bs)
+            out.append(f * work + ow * tn + rw * (best_match - mi) / bs)
+        return out
 
 
 class KVPressureScorer:
