@@ -42,6 +42,7 @@ from switchyard.router.scheduler.framework import Scheduler
 from switchyard.router.scheduler.policies import build_scheduler
 from switchyard.router.settings import RouterSettings
 from switchyard.router.tracing import JsonFormatter
+from switchyard.router.tracing import check as check_tracing
 
 
 def worker_specs(settings: RouterSettings) -> list[WorkerSpec]:
@@ -135,9 +136,11 @@ def model_schedulers(settings: RouterSettings) -> dict[str, Scheduler]:
 def preflight(settings: RouterSettings, config_file: str | Path | None = None) -> None:
     """Raise ``ValueError`` (one line) for what would stop start-up, before anything binds.
 
-    The policies of every pool, the worker specs and their ``--kv-events``, and an
-    embedded balancer's Kubernetes discovery without its client.
+    The policies of every pool, the worker specs and their ``--kv-events``, an embedded
+    balancer's Kubernetes discovery without its client, and a tracing exporter that could
+    never send (``tracing.check``).
     """
+    check_tracing(settings.tracing)
     if settings.balancer == "embedded":
         balancer = BalancerSettings.load(config_file, redis_url=settings.redis_url)
         if balancer.kubernetes and (missing := missing_client()) is not None:

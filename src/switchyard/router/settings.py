@@ -428,9 +428,10 @@ class Tracing(Group):
 
     otlp_traces_endpoint: str | None = Field(
         default=None,
-        description="OTLP collector URL for traces (http/protobuf: the full URL, e.g. "
-        "http://collector:4318/v1/traces); unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing",
+        description="OTLP collector URL for traces, read as vLLM reads it: gRPC (e.g. "
+        "http://collector:4317) unless the URL ends in /v1/traces (http/protobuf, e.g. "
+        "http://collector:4318/v1/traces) or tracing.protocol says otherwise; unset: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing",
     )
     sample_ratio: float | None = Field(
         default=None,
@@ -443,7 +444,9 @@ class Tracing(Group):
     protocol: Literal["http/protobuf", "grpc"] | None = Field(
         default=None,
         description="OTLP protocol; unset: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or "
-        "OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf",
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else from tracing.otlp_traces_endpoint (gRPC unless "
+        "it ends in /v1/traces), else http/protobuf (an endpoint from the OTEL_* "
+        "variables, OpenTelemetry's default); grpc needs the otlp-grpc extra",
     )
 
 

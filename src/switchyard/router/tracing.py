@@ -1,7 +1,13 @@
 """OpenTelemetry traces of the requests the router routes, and its JSON log lines.
 
 Tracing is off unless an OTLP endpoint is configured (``tracing.otlp_traces_endpoint``, else
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``). Off, the router
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``). The endpoint
+setting takes vLLM's ``--otlp-traces-endpoint`` and is read as vLLM reads it: gRPC, unless
+``tracing.protocol`` or ``OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL`` says otherwise or the URL
+ends in ``/v1/traces`` (http/protobuf's path), so one flag value serves both. An endpoint
+from the ``OTEL_*`` variables alone keeps OpenTelemetry's default, http/protobuf. What would
+fail every export (the gRPC exporter not installed, an endpoint that is no URL) stops the
+start in one line (``check``) instead of a warning at every batch. Off, the router
 loads neither the tracing SDK nor an exporter, and the request path holds ``None`` where a
 ``Tracing`` would be, so it makes no span object. On, one request's spans are::
 
@@ -22,6 +28,7 @@ same process keeps its own.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import threading
@@ -31,6 +38,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -53,6 +61,11 @@ SERVICE_NAME = "switchyard-router"
 SHUTDOWN_FLUSH_S = 0.5
 _ENDPOINT_ENV = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 _PROTOCOL_ENV = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
+HTTP = "http/protobuf"
+GRPC = "grpc"
+# http/protobuf's path for traces; a URL that ends in it names that protocol.
+TRACES_PATH = "/v1/traces"
+_GRPC_EXPORTER = "opentelemetry.exporter.otlp.proto.grpc"
 # The OpenAI routes' GenAI operation names (gen_ai.operation.name).
 _OPERATIONS = {
     "/v1/chat/completions": "chat",
@@ -121,22 +134,78 @@ def build_tracing(
     return Tracing(provider, otlp)
 
 
+def protocol(settings: TracingSettings, environ: Mapping[str, str] = os.environ) -> str:
+    """The OTLP protocol the traces go over: the setting, else the OTEL variables, else
+    what the endpoint setting says as vLLM reads it (gRPC unless it ends in /v1/traces),
+    else OpenTelemetry's own default for an endpoint from its variables."""
+    chosen = settings.protocol or _from_env(_PROTOCOL_ENV, environ)
+    if chosen is not None:
+        return chosen
+    endpoint = settings.otlp_traces_endpoint
+    if not endpoint:
+        return HTTP
+    return HTTP if urlsplit(endpoint.strip()).path.rstrip("/").endswith(TRACES_PATH) else GRPC
+
+
+def check(settings: TracingSettings, environ: Mapping[str, str] = os.environ) -> None:
+    """Raise ``ValueError`` (one line) for a tracing set-up whose every export would fail:
+    an unknown protocol, the gRPC exporter not installed, an endpoint that is no URL of
+    the protocol. Nothing is checked, and nothing imported, while tracing is off."""
+    if not enabled(settings, environ):
+        return
+    chosen = protocol(settings, environ)
+    if chosen not in (HTTP, GRPC):
+        raise ValueError(f"OTLP protocol {chosen!r}: use {HTTP} or {GRPC}")
+    if chosen == GRPC and importlib.util.find_spec(_GRPC_EXPORTER) is None:
+        raise ValueError(
+            "OTLP over gRPC needs opentelemetry-exporter-otlp-proto-grpc: pip install "
+            f"'switchyard[otlp-grpc]' (or --tracing-protocol {HTTP} with a /v1/traces URL)"
+        )
+    name = "tracing.otlp_traces_endpoint"
+    endpoint = settings.otlp_traces_endpoint
+    if not endpoint:  # the variable the exporter itself reads
+        name = next(n for n in _ENDPOINT_ENV if environ.get(n, "").strip())
+        endpoint = environ[name]
+    problem = _endpoint_problem(endpoint.strip(), chosen)
+    if problem is not None:
+        raise ValueError(f"{name} {endpoint!r}: {problem}")
+
+
+def _endpoint_problem(endpoint: str, chosen: str) -> str | None:
+    """Why ``endpoint`` is no URL the ``chosen`` exporter can send to, or None."""
+    want = (
+        "http://HOST:PORT/v1/traces (http/protobuf)"
+        if chosen == HTTP
+        else "http://HOST:PORT or HOST:PORT (gRPC)"
+    )
+    if chosen == GRPC and "://" not in endpoint:
+        host, sep, port = endpoint.rpartition(":")
+        if sep and host and port.isdigit():
+            return None
+        return f"expected {want}"
+    parts = urlsplit(endpoint)
+    schemes = ("http", "https") if chosen == HTTP else ("http", "https", "grpc")
+    if parts.scheme not in schemes:
+        return f"expected {want}"
+    try:
+        _ = parts.port  # reading it validates it
+    except ValueError:
+        return f"the port is not a number; expected {want}"
+    if not parts.hostname:
+        return f"no host; expected {want}"
+    return None
+
+
 def _otlp_exporter(settings: TracingSettings, environ: Mapping[str, str]) -> SpanExporter:
-    protocol = settings.protocol or _from_env(_PROTOCOL_ENV, environ) or "http/protobuf"
-    endpoint = settings.otlp_traces_endpoint  # None: the exporter reads OTEL_EXPORTER_OTLP_*
-    if protocol == "grpc":
-        try:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
-                OTLPSpanExporter as GrpcExporter,
-            )
-        except ImportError:
-            raise ValueError(
-                "OTLP over gRPC needs opentelemetry-exporter-otlp-proto-grpc: "
-                "pip install 'switchyard[otlp-grpc]'"
-            ) from None
+    check(settings, environ)
+    # None: the exporter reads OTEL_EXPORTER_OTLP_*
+    endpoint = (settings.otlp_traces_endpoint or "").strip() or None
+    if protocol(settings, environ) == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
         return GrpcExporter(endpoint=endpoint)
-    if protocol != "http/protobuf":
-        raise ValueError(f"OTLP protocol {protocol!r}: use http/protobuf or grpc")
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     return OTLPSpanExporter(endpoint=endpoint)
