@@ -38,7 +38,7 @@ from switchyard.loadtest.client import replay
 from switchyard.loadtest.compare import CompareConfig, Outcome, Run, run_order
 from switchyard.loadtest.metrics import SLO, percentile, summarize
 from switchyard.loadtest.procs import cpu_seconds
-from switchyard.loadtest.prom import totals
+from switchyard.loadtest.prom import histogram_quantile, totals
 from switchyard.loadtest.report import aggregate, wide_console, write_reports
 from switchyard.loadtest.routers import RouterSpec, Unavailable, start_router
 from switchyard.loadtest.workload import Workload
@@ -56,6 +56,7 @@ ENGINE_TIMES = {
     "prefill": "vllm:request_prefill_time_seconds",
 }
 SCHEDULE = "switchyard_router_schedule_seconds"
+PREDICTION = "switchyard_router_ttft_prediction_ratio"
 
 
 @dataclass
@@ -67,6 +68,8 @@ class Diagnosis:
     engine_ms: dict[str, list[float]] = field(default_factory=dict)
     schedule_ms: list[float] = field(default_factory=list)
     router_cpu_s: list[float] = field(default_factory=list)
+    # Median of actual over predicted first token (ours only): 1 is a perfect prediction.
+    prediction_ratio: list[float] = field(default_factory=list)
 
 
 def engine_sums(fleet: VllmFleet) -> dict[str, float]:
@@ -86,9 +89,9 @@ def mean_ms(before: dict[str, float], after: dict[str, float], name: str) -> flo
     return (after[name + "_sum"] - before[name + "_sum"]) / count * 1000.0
 
 
-def router_schedule_ms(url: str) -> float | None:
+def router_schedule_ms(text: str) -> float | None:
     """Mean scheduling time per request of our router (None for a router without it)."""
-    m = totals(httpx.get(url + "/metrics", timeout=10).text)
+    m = totals(text)
     count = m.get(SCHEDULE + "_count", 0.0)
     return m.get(SCHEDULE + "_sum", 0.0) / count * 1000.0 if count else None
 
@@ -166,7 +169,10 @@ def compare_on(
                 cpu = cpu_seconds(router.proc.pid)
                 results = asyncio.run(replay(router.url, workload, MODEL, cfg.request_timeout_s))
                 cpu = cpu_seconds(router.proc.pid) - cpu
-                schedule = router_schedule_ms(router.url) if spec.kind == "switchyard" else None
+                ours = spec.kind == "switchyard"
+                exposition = httpx.get(router.url + "/metrics", timeout=10).text if ours else ""
+                schedule = router_schedule_ms(exposition) if ours else None
+                ratio = histogram_quantile(exposition, PREDICTION, 0.5, kind="stream")
             after, sums_after = fleet.counters(), engine_sums(fleet)
             deltas = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
             summary = summarize(
@@ -186,6 +192,8 @@ def compare_on(
                     diag.engine_ms.setdefault(label, []).append(value)
             if schedule is not None:
                 diag.schedule_ms.append(schedule)
+            if ratio is not None:
+                diag.prediction_ratio.append(ratio)
             console.print(
                 f"run {repeat + 1} {spec.label}: hit {summary.hit_rate:.3f}, TTFT p90 "
                 f"{summary.ttft_ms['p90'] or 0:.0f} ms, {summary.errors} errors"
@@ -214,7 +222,8 @@ def diagnosis_table(diagnoses: dict[str, Diagnosis]) -> Table:
         title="Where TTFT goes: medians over runs of per-request means (ms), router CPU (s)"
     )
     table.add_column("router")
-    for label in ["client TTFT", *ENGINE_TIMES, "router schedule", "router CPU s"]:
+    labels = ["client TTFT", *ENGINE_TIMES, "router schedule", "router CPU s"]
+    for label in [*labels, "actual/predicted TTFT p50"]:
         table.add_column(label, justify="right")
     for policy, d in diagnoses.items():
         cells = [f"{statistics.median(d.client_ttft_ms):.0f}"]
@@ -224,6 +233,8 @@ def diagnosis_table(diagnoses: dict[str, Diagnosis]) -> Table:
         ]
         cells.append(f"{statistics.median(d.schedule_ms):.1f}" if d.schedule_ms else "-")
         cells.append(f"{statistics.median(d.router_cpu_s):.1f}")
+        ratio = d.prediction_ratio
+        cells.append(f"{statistics.median(ratio):.2f}" if ratio else "-")
         table.add_row(policy, *cells)
     return table
 

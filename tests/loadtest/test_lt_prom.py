@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from switchyard.loadtest.prom import labels_of, totals, values
+from switchyard.loadtest.prom import histogram_quantile, labels_of, totals, values
 
 TEXT = """\
 # TYPE vllm:num_requests_running gauge
@@ -53,3 +53,27 @@ def test_values_of_one_family_are_read_past_a_malformed_line_of_another() -> Non
 def test_a_counter_sample_written_without_total_is_read_under_its_total_name() -> None:
     text = "# TYPE jobs counter\njobs 3.0\n# TYPE other gauge\nother 1.0\n"
     assert values(text, "jobs_total") == [3.0]
+
+
+HISTOGRAM = """# HELP ratio Actual over predicted.
+# TYPE ratio histogram
+ratio_bucket{kind="stream",le="0.5"} 2.0
+ratio_bucket{kind="stream",le="1.0"} 6.0
+ratio_bucket{kind="stream",le="2.0"} 10.0
+ratio_bucket{kind="stream",le="+Inf"} 10.0
+ratio_count{kind="stream"} 10.0
+ratio_sum{kind="stream"} 9.0
+ratio_bucket{kind="whole",le="0.5"} 0.0
+ratio_bucket{kind="whole",le="1.0"} 0.0
+ratio_bucket{kind="whole",le="2.0"} 0.0
+ratio_bucket{kind="whole",le="+Inf"} 0.0
+ratio_count{kind="whole"} 0.0
+ratio_sum{kind="whole"} 0.0
+"""
+
+
+def test_a_histogram_quantile_interpolates_within_its_bucket() -> None:
+    # The 5th of 10 observations lies 3/4 of the way through the (0.5, 1.0] bucket.
+    assert histogram_quantile(HISTOGRAM, "ratio", 0.5, kind="stream") == 0.875
+    assert histogram_quantile(HISTOGRAM, "ratio", 0.9, kind="stream") == 1.75
+    assert histogram_quantile(HISTOGRAM, "ratio", 0.5, kind="whole") is None

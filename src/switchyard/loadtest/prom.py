@@ -58,3 +58,27 @@ def values(text: str, name: str, **labels: str) -> list[float]:
 def labels_of(text: str, name: str) -> list[dict[str, str]]:
     """The label sets of the samples called ``name`` (an info gauge's payload)."""
     return [s.labels for s in samples(text, name) if s.name == name]
+
+
+def histogram_quantile(text: str, name: str, q: float, **labels: str) -> float | None:
+    """The ``q`` quantile of histogram ``name`` (its ``_bucket`` samples whose labels include
+    ``labels``, summed per bound), interpolated within a bucket as Prometheus does; None
+    without observations. Past the last finite bound it is that bound."""
+    counts: dict[float, float] = {}
+    for s in samples(text, name + "_bucket"):
+        if s.name == name + "_bucket" and all(s.labels.get(k) == v for k, v in labels.items()):
+            bound = float(s.labels["le"])
+            counts[bound] = counts.get(bound, 0.0) + s.value
+    bounds = sorted(counts)
+    if not bounds or counts[bounds[-1]] <= 0:
+        return None
+    rank = q * counts[bounds[-1]]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        if counts[bound] >= rank:
+            if bound == float("inf"):
+                return lower
+            share = (rank - below) / (counts[bound] - below) if counts[bound] > below else 1.0
+            return lower + (bound - lower) * share
+        lower, below = bound, counts[bound]
+    return lower
