@@ -629,20 +629,50 @@ class KVStore:
         feed.last_seq = seq
 
     async def _catch_up(self, feed: Feed) -> None:
-        """Learn what a running engine already holds before following it live.
+        """Learn what the publisher buffered before this subscription: run right after every
+        new one, before its first live frame.
 
         A subscriber that starts after the engine (a router process started after its
-        siblings, a router restarted in front of running engines) otherwise knows none of
-        the blocks announced before it. The publisher's replay socket still buffers its
-        recent batches (vLLM keeps 10,000 steps by default): ask from sequence 0 and apply
-        what comes back. Live frames the replay already covered are then duplicates."""
-        if feed.replay_endpoint is None or self._ctx is None or feed.last_seq is not None:
+        siblings, a router restarted in front of running engines, a worker added) otherwise
+        knows none of the blocks announced before it, and one that comes back after an
+        outage none of those announced meanwhile: a batch that went out while no
+        subscription was in place reached no one, and with no later batch no gap shows it.
+        The publisher's replay socket still buffers its recent batches (vLLM keeps 10,000
+        steps by default). A first subscription asks from sequence 0; a later one from the
+        last batch it applied, whose echo tells the same publisher (the rest follows on) from
+        a restarted one (forgotten, then replayed from 0) and from a buffer that moved past
+        it (a gap: cleared). Live frames the replay already covered are then duplicates.
+        """
+        if feed.replay_endpoint is None or self._ctx is None:
             return
+        last = feed.last_seq
         feed.catching_up = True
         try:
-            got = await request_replay(self._ctx, feed.replay_endpoint, 0, self.replay_timeout_s)
-            if not got or feed.last_seq is not None:
-                return
+            start = 0 if last is None else last
+            got = await request_replay(
+                self._ctx, feed.replay_endpoint, start, self.replay_timeout_s
+            )
+            if got is None or feed.last_seq != last:
+                return  # unanswered: a gap still shows at the next live frame
+            if last is not None:
+                if got and got[0][0] == last and self._same_batch(feed, got[0][1]):
+                    got = got[1:]
+                elif got and got[0][0] > last:
+                    feed.gaps += 1
+                    self.metrics.gaps.labels(feed.instance).inc()
+                    log.warning("%s: sequence gap %d..%d", feed.instance, last + 1, got[0][0] - 1)
+                    await self._clear_feed(feed, "gap")
+                else:
+                    log.warning("%s: publisher restarted while unsubscribed", feed.instance)
+                    await self._clear_feed(feed, "restart")
+                    feed.ingestor.forget()
+                    feed.dup_floor = None
+                    feed.last_seq = last = None
+                    got = await request_replay(
+                        self._ctx, feed.replay_endpoint, 0, self.replay_timeout_s
+                    )
+                    if got is None:
+                        return
             for n, (rseq, payload) in enumerate(got, 1):
                 try:
                     await self._apply(feed, decode_batch(payload))
@@ -651,10 +681,24 @@ class KVStore:
                 feed.last_seq = rseq
                 if n % CATCH_UP_BATCHES_PER_YIELD == 0:
                     await asyncio.sleep(0)  # requests go on being served meanwhile
-            feed.dup_floor = got[0][0] - 1
-            log.info("%s: caught up on %d buffered event batches", feed.instance, len(got))
+            if got:
+                feed.dup_floor = got[0][0] - 1
+                log.info("%s: caught up on %d buffered event batches", feed.instance, len(got))
+            if feed.stale:  # everything published up to the subscription is known
+                self._feed_resynced(feed)
         finally:
             feed.catching_up = False
+
+    @staticmethod
+    def _same_batch(feed: Feed, payload: bytes) -> bool:
+        """Whether a replayed batch is the one this feed applied last (same timestamp): a
+        restarted publisher numbers its batches from 0 again."""
+        if feed.last_ts is None:
+            return True
+        try:
+            return decode_batch(payload).ts == feed.last_ts
+        except EventDecodeError:
+            return False
 
     def catching_up(self, instance: str) -> bool:
         """Whether a feed of ``instance`` is still replaying what it missed before joining."""

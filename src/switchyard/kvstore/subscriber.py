@@ -9,6 +9,11 @@ leave the topic out, so the sequence and payload are read from the end of the fr
 The stream tells when its connection is lost or found dead (``on_lost``); the feed is
 resynced (``on_resynced``) once a frame of the next connection has been handled, through
 ``on_frame`` so that a gap left by the outage is replayed first.
+
+Every new subscription (the first, and each after an outage) is followed by ``catch_up``
+before any of its frames is handled: a publisher's batch that went out before the
+subscription took (the engine's only one, say) reached no one live, so only its replay
+buffer still has it.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ class Subscriber:
         on_lost: Lost | None = None,
         on_resynced: Resynced | None = None,
     ) -> None:
-        """``catch_up`` runs once the SUB socket is connected, before live frames are read
-        (what arrives meanwhile waits in the socket). ``take`` is offered each live frame
+        """``catch_up`` runs each time the subscription is up (connected and subscribed),
+        before that connection's frames are handled (what arrives meanwhile waits in the
+        stream). ``take`` is offered each live frame
         as it is read, once the first has been handled, unless the feed is stale; what it
         declines goes to ``on_frame``. ``options``: the stream's frame cap and heartbeats."""
         self._ctx = ctx
@@ -105,24 +111,25 @@ class Subscriber:
             self._take if self._take_frame else None,
             self.options,
             self._lost,
+            self._up,
         )
-        # Connecting starts with the first read; what arrives while catching up waits.
-        first = asyncio.ensure_future(anext(stream))
         try:
-            if self._catch_up is not None:
-                try:
-                    await self._catch_up(self.feed)
-                except Exception:
-                    log.exception("%s: catching up failed", self.feed.instance)
-            await self._handle(await first)
-            self._live = True
             async for frames in stream:
                 await self._handle(frames)
+                self._live = True
         finally:
-            if not first.done():
-                first.cancel()
-                await asyncio.gather(first, return_exceptions=True)
             await stream.aclose()
+
+    async def _up(self) -> None:
+        """A subscription is up: ask the publisher for what it buffered before it took. A
+        replay asked before then (while connecting) could miss a batch published in between,
+        which no live frame brings either."""
+        if self._catch_up is None:
+            return
+        try:
+            await self._catch_up(self.feed)
+        except Exception:
+            log.exception("%s: catching up failed", self.feed.instance)
 
     def _lost(self, reason: BaseException | None) -> None:
         if self._on_lost is not None:

@@ -42,7 +42,7 @@ import logging
 import socket
 import struct
 from collections import deque
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -162,6 +162,7 @@ def _properties(data: bytes) -> dict[bytes, bytes]:
 
 Take = Callable[[list[bytes]], bool]
 OnDown = Callable[[BaseException | None], None]
+OnUp = Callable[[], Awaitable[None]]
 
 
 class _Sub(asyncio.Protocol):
@@ -419,6 +420,7 @@ async def subscribe(
     take: Take | None = None,
     options: ZmtpOptions | None = None,
     on_down: OnDown | None = None,
+    on_up: OnUp | None = None,
 ) -> AsyncGenerator[list[bytes], None]:
     """Every multipart message the publisher at ``endpoint`` sends while this is read, in
     order, across reconnections. A peer that is not a ZMQ publisher is retried too (it
@@ -432,7 +434,12 @@ async def subscribe(
     ``on_down(reason)`` is called when a connection that was up ends (the reason: the
     ``ZmtpError`` we dropped it for, an ``OSError``, or ``None`` when the peer closed it)
     and when an attempt fails while none was up since the last call: once per outage,
-    and once when the first attempt fails. It must not raise."""
+    and once when the first attempt fails. It must not raise.
+
+    ``on_up()`` is awaited each time a connection is up and its subscription sent, before
+    any of its messages is yielded (what arrives meanwhile is read and waits, or goes to
+    ``take``): the publisher's replay can then be asked for what was published before the
+    subscription took, with nothing of the new connection handled yet. It must not raise."""
     opts = options or ZmtpOptions()
     delay = RECONNECT_S
     told = False  # on_down was called and no connection came up since
@@ -449,6 +456,8 @@ async def subscribe(
             delay = RECONNECT_S
             told = False
             try:
+                if on_up is not None:
+                    await on_up()
                 while True:
                     queue = sub.queue
                     while queue:
