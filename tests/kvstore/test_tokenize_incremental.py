@@ -52,10 +52,13 @@ def test_each_turn_of_a_chat_gives_the_full_render_ids() -> None:
 def test_a_later_turn_tokenizes_only_the_answer_and_question_it_adds() -> None:
     tok = _ours()
     tok.encode_chat(_chat(3)[:-1])
-    before = tok.cache_stats["by_kind"]["message"]
+    before = tok.cache_stats
     tok.encode_chat(_chat(4)[:-1])
-    hits, misses = tok.cache_stats["by_kind"]["message"]
-    assert (hits - before[0], misses - before[1]) == (6, 2)
+    after = tok.cache_stats
+    hits, misses = after["by_kind"]["message"]
+    # The six earlier messages come from the conversation's line, not one by one.
+    assert (hits, misses) == (before["by_kind"]["message"][0], before["by_kind"]["message"][1] + 2)
+    assert after["conversations"]["hits"] == before["conversations"]["hits"] + 1
     assert tok.uncached_chars(_chat(4)[:-1]) == 0
 
 
@@ -220,10 +223,13 @@ def test_cache_counters_move_by_what_the_tokenizer_counted_since_the_last_sync()
     KVAwareness._count_cache(owner, tok)  # type: ignore[arg-type]
     assert value(name, {"kind": "message", "outcome": "miss"}) == 3
     assert value(name, {"kind": "message", "outcome": "hit"}) is None
-    tok.encode_chat(_chat(2))
+    assert value(name, {"kind": "conversation", "outcome": "miss"}) == 1
+    tok.encode_chat(_chat(2))  # extends the first: its three messages come from its line
     KVAwareness._count_cache(owner, tok)  # type: ignore[arg-type]
-    assert value(name, {"kind": "message", "outcome": "hit"}) == 3
+    assert value(name, {"kind": "message", "outcome": "hit"}) is None
     assert value(name, {"kind": "message", "outcome": "miss"}) == 5
+    assert value(name, {"kind": "conversation", "outcome": "hit"}) == 1
+    assert value(name, {"kind": "conversation", "outcome": "miss"}) == 1
 
 
 def _probe(store: KVStore, messages: list[dict[str, Any]]) -> LookupResult | None:
@@ -256,7 +262,10 @@ def test_a_chat_whose_last_message_was_seen_is_looked_up_whole() -> None:
     store = KVStore(block_size=16, tokenizer=_ours())
     messages = _chat(3)[:-1]
     asyncio.run(store.tokenize("m", messages=messages))
-    assert _probe(store, messages) is None
+    result = _probe(store, messages)  # from the conversation's line, whole
+    assert result is not None and result.exact
+    whole = _full(store.tokenizer, messages)
+    assert result.keys == store.keys_for(whole) and result.total_tokens == len(whole)
 
 
 def test_a_chat_with_a_long_new_message_is_probed_by_text_heads() -> None:

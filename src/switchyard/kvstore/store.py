@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+from switchyard.kvstore.conversation import ChatPrefix
 from switchyard.kvstore.events import EventBatch, EventDecodeError, decode_batch, decode_batch_obj
 from switchyard.kvstore.feed import Feed, FeedInfo, Verdict
 from switchyard.kvstore.index import (
@@ -263,10 +264,41 @@ class KVStore:
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> LookupResult:
+        if messages is not None and token_ids is None:
+            prefix = await self.tokenize_chat(model, messages)
+            if prefix is not None:
+                return await self.match_prefix(prefix, candidates, lora_name, cache_salt)
         tokens, exact = await self.tokenize(
             model, prompt=prompt, messages=messages, token_ids=token_ids
         )
         return await self.match_tokens(tokens, candidates, lora_name, cache_salt, exact=exact)
+
+    async def tokenize_chat(
+        self, model: str | None, messages: list[dict[str, Any]], *, head: bool = False
+    ) -> ChatPrefix | None:
+        """A chat as the conversation line it extends (``kvstore.conversation``), or None
+        where its tokenizer cannot; ``head``: as ``RoutingTokenizer.plan_chat``."""
+        tok = self.tokenizer_for(model)
+        plan = tok.plan_chat(messages, head=head)
+        if plan is None:
+            return None
+        t0 = time.perf_counter()
+        prefix = await tok.aencode_plan(plan)
+        self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+        return prefix
+
+    async def match_prefix(
+        self,
+        prefix: ChatPrefix,
+        candidates: list[str] | None = None,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> LookupResult:
+        """``match_tokens`` of a chat's prefix, its keys from its conversation line."""
+        extra = key_extra(lora_name, cache_salt)
+        return await self._match(
+            prefix.tokens, lambda size: prefix.keys(size, self.seed, extra), candidates, True
+        )
 
     def _size_groups(self, candidates: list[str] | None) -> dict[int, list[str] | None]:
         """Candidates by block size; ``None`` (everyone) is looked up at every known size."""
@@ -290,13 +322,29 @@ class KVStore:
         exact: bool = True,
     ) -> LookupResult:
         """Matches of a tokenized prompt, each instance keyed in its own block size."""
-        groups = self._size_groups(candidates)
         extra = key_extra(lora_name, cache_salt)
-        sized = {b: self.key_cache.block_keys(tokens, b, self.seed, extra) for b in groups}
+        return await self._match(
+            len(tokens),
+            lambda size: self.key_cache.block_keys(tokens, size, self.seed, extra),
+            candidates,
+            exact,
+        )
+
+    async def _match(
+        self,
+        total_tokens: int,
+        keys_at: Callable[[int], list[int]],
+        candidates: list[str] | None,
+        exact: bool,
+    ) -> LookupResult:
+        """Matches of a prompt of ``total_tokens`` whose block keys at a size ``keys_at``
+        gives, each instance keyed in its own block size."""
+        groups = self._size_groups(candidates)
+        sized = {b: keys_at(b) for b in groups}
         primary = next(iter(groups)) if len(groups) == 1 else self.block_size
         if primary not in sized:
             primary = max(groups, key=lambda b: len(groups[b] or ()))
-        result = LookupResult(primary, len(tokens), sized[primary], [], exact=exact)
+        result = LookupResult(primary, total_tokens, sized[primary], [], exact=exact)
         if len(groups) > 1:
             result.sized_keys = sized
             result.instance_block_sizes = dict(self.instance_block_sizes)

@@ -19,7 +19,10 @@ conversations, and chats fall back to one full render when they do not hold. Tex
 tokens, a lone newline between two non-space characters, a space before a word for
 byte-level BPE), and the ids of each piece are cached, so prompts that share a long
 prefix share its pieces; probes at load time check each cut rule for this tokenizer.
-Both caches share one bound in bytes.
+Both caches share one bound in bytes. Above them, per conversation, the ids of the chat so
+far and their block keys are kept (``kvstore.conversation``): a turn that extends a chat
+seen before is matched to it by comparing its messages, and only what it adds is looked up
+in the message cache, rendered, tokenized and keyed.
 
 A byte-level BPE tokenizer is run by tiktoken where it gives the same ids
 (``kvstore.bpe``; several times faster). Long uncached text is tokenized in one worker
@@ -34,6 +37,7 @@ layout probe are the parts that could move out.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import re
@@ -50,6 +54,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Tokenizer
 
 from switchyard.kvstore.bpe import Encoder, fast_encoder
+from switchyard.kvstore.conversation import CONVERSATION_BYTES, ChatPrefix, ConversationCache, Line
 from switchyard.kvstore.settings import TOKENIZE_CACHE_BYTES as CACHE_BYTES
 from switchyard.net.httpclient import ConnectionPool
 
@@ -163,6 +168,26 @@ class _Text:
     children: list[_Text] = field(default_factory=list)
 
 
+@dataclass
+class ChatPlan:
+    """A chat's first ``count`` messages as a line seen before (``line``, of which ``shared``
+    messages are these) and the messages it adds: each one's kept copy and its cached ids or
+    pieces to encode, all in ``text``. ``new_chars``: characters to tokenize; ``left_out``:
+    the characters of a last message left out of a head (0 when it is in)."""
+
+    messages: list[dict[str, Any]]
+    count: int
+    anchors: list[bytes]
+    line: Line | None
+    shared: int
+    new: list[tuple[Any, list[list[int] | _Piece]]]
+    text: _Text
+    suffix: list[int]
+    new_chars: int
+    left_out: int
+    cached: list[bytes]
+
+
 class _ByteLRU:
     """Token ids by content hash, least recently used out first, bounded in bytes."""
 
@@ -191,6 +216,18 @@ class _ByteLRU:
         self.hits[kind] += 1
         self._d.move_to_end(key)
         return ids
+
+    def peek(self, key: bytes) -> list[int] | None:
+        """``get`` without counting or refreshing: for a plan that may not be used."""
+        return self._d.get(key)
+
+    def used(self, kind: str, hits: list[bytes], misses: int) -> None:
+        """Count and refresh what ``peek`` found once its plan is used."""
+        self.hits[kind] += len(hits)
+        self.misses[kind] += misses
+        for key in hits:
+            if key in self._d:
+                self._d.move_to_end(key)
 
     def put(self, key: bytes, ids: list[int]) -> None:
         cost = self.cost(ids)
@@ -296,6 +333,7 @@ class RoutingTokenizer:
         special_tokens: dict[str, str] | None = None,
         engine_url: str | None = None,
         cache_bytes: int = CACHE_BYTES,
+        conversation_bytes: int = CONVERSATION_BYTES,
     ) -> None:
         self._tok = tokenizer
         self._engine_url = engine_url.rstrip("/") if engine_url else None
@@ -303,6 +341,7 @@ class RoutingTokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         self._template = env.from_string(chat_template) if chat_template else None
         self._cache = _ByteLRU(cache_bytes)
+        self.conversations = ConversationCache(conversation_bytes)
         self._bos: list[int] = []
         self._eos: list[int] = []
         self._split: re.Pattern[str] | None = None
@@ -339,7 +378,12 @@ class RoutingTokenizer:
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def from_dir(cls, path: str | Path, cache_bytes: int = CACHE_BYTES) -> RoutingTokenizer:
+    def from_dir(
+        cls,
+        path: str | Path,
+        cache_bytes: int = CACHE_BYTES,
+        conversation_bytes: int = CONVERSATION_BYTES,
+    ) -> RoutingTokenizer:
         p = Path(path)
         tok = Tokenizer.from_file(str(p / "tokenizer.json"))
         template: str | None = None
@@ -362,7 +406,11 @@ class RoutingTokenizer:
         if template is None and jinja.exists():
             template = jinja.read_text()
         return cls(
-            tokenizer=tok, chat_template=template, special_tokens=special, cache_bytes=cache_bytes
+            tokenizer=tok,
+            chat_template=template,
+            special_tokens=special,
+            cache_bytes=cache_bytes,
+            conversation_bytes=conversation_bytes,
         )
 
     @classmethod
@@ -391,10 +439,19 @@ class RoutingTokenizer:
         return {
             "hits": sum(c.hits.values()),
             "misses": sum(c.misses.values()),
-            "by_kind": {k: (c.hits[k], c.misses[k]) for k in c.hits},
+            "by_kind": {
+                **{k: (c.hits[k], c.misses[k]) for k in c.hits},
+                "conversation": (self.conversations.hits, self.conversations.misses),
+            },
             "bytes": c.bytes,
             "max_bytes": c.max_bytes,
             "entries": len(c),
+            "conversations": {
+                "hits": self.conversations.hits,
+                "misses": self.conversations.misses,
+                "entries": len(self.conversations),
+                "bytes": self.conversations.bytes,
+            },
         }
 
     # -- local (hf / approximate) ----------------------------------------------------------
@@ -421,6 +478,10 @@ class RoutingTokenizer:
         if self._tok is None:
             self._local_only("aencode_chat")
             return self._approx(_render_plain_chat(messages, add_generation_prompt))
+        plan = self.plan_chat(messages, add_generation_prompt)
+        if plan is not None:
+            self._finish(plan.text, self._encode)
+            return self._commit(plan).ids()
         return self._finish(self._chat_plan(messages, add_generation_prompt), self._encode)
 
     def encode_head(self, text: str, max_chars: int, *, prompt: bool) -> list[int] | None:
@@ -558,6 +619,100 @@ class RoutingTokenizer:
         if add_generation_prompt:
             parts.append(layout.suffix_ids)
         return _Text(parts, children=texts)
+
+    def plan_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        head: bool = False,
+    ) -> ChatPlan | None:
+        """What a chat adds to the conversation line it extends (``kvstore.conversation``);
+        None where the template does not render message by message, or no local tokenizer.
+
+        ``head``: leave the last message and the generation prompt out unless the line
+        holds that message already: no engine holds the KV of a turn its router never saw
+        (see ``aencode_chat_head``). Cheap: the first two messages are hashed to find the
+        line, the rest compared with it; only messages past it are looked up and cut.
+        """
+        layout = self._layout
+        if layout is None or self._tok is None or not messages:
+            return None
+        n = len(messages)
+        first = self._key_of(messages[0], True)
+        if first is None:
+            return None
+        anchors = [first]
+        if n >= 2:
+            second = self._key_of(messages[1], False)
+            if second is None:
+                return None
+            anchors.insert(0, first + second)
+        found = self.conversations.find(anchors, messages, n)
+        line, shared = found if found is not None else (None, 0)
+        count, suffix, left_out = n, layout.suffix_ids if add_generation_prompt else [], 0
+        if head and shared < n and n >= 2:
+            last = messages[-1]
+            if not isinstance(last, dict) or not (layout.tools or _plain(last)):
+                return None
+            count, suffix = n - 1, []
+            left_out = len(_content_text(last.get("content"))) + _FRAME_CHARS + len(layout.suffix)
+        shared = min(shared, count)
+        new: list[tuple[Any, list[list[int] | _Piece]]] = []
+        parts: list[list[int] | _Piece] = []
+        children: list[_Text] = []
+        cached: list[bytes] = []  # message-cache keys it found, counted once it is used
+        new_chars = 0
+        for i in range(shared, count):
+            m = messages[i]
+            key = self._key_of(m, i == 0)
+            if key is None or not (layout.tools or _plain(m)):
+                return None
+            ids = self._cache.peek(key)
+            if ids is not None:
+                own: list[list[int] | _Piece] = [ids]
+                cached.append(key)
+            else:
+                segment = self._segment(m, layout, i == 0)
+                if segment is None:
+                    return None
+                text = self._text_plan(segment, key)
+                children.append(text)
+                own = text.parts
+                new_chars += len(segment)
+            kept = dict(m) if _plain(m) else copy.deepcopy(m)
+            new.append((kept, own))
+            parts.extend(own)
+        return ChatPlan(
+            messages, count, anchors, line, shared, new,
+            _Text(parts, children=children), suffix, new_chars, left_out, cached,
+        )  # fmt: skip
+
+    async def aencode_plan(self, plan: ChatPlan) -> ChatPrefix:
+        """The chat ``plan`` describes, its new text tokenized off the event loop if long."""
+        await self._run(plan.text)
+        return self._commit(plan)
+
+    def _commit(self, plan: ChatPlan) -> ChatPrefix:
+        """Extend the plan's line by its new messages (encoded by now), or branch from it."""
+        self._cache.used("message", plan.cached, len(plan.text.children))
+        lengths = [sum(len(p) if isinstance(p, list) else len(p.ids or ()) for p in parts)
+                   for _, parts in plan.new]  # fmt: skip
+        ids = _joined(plan.text.parts)
+        line, shared = plan.line, plan.shared
+        anchor = plan.anchors[0] if plan.count >= 2 else plan.anchors[-1]
+        if line is None:
+            assert self._layout is not None
+            prefix = self._layout.prefix_ids
+            line = Line(anchor, [], [len(prefix)], list(prefix))
+        elif plan.new and (len(line.messages) != shared or shared < 2):
+            # Past the shared part (a branch), or a line a conversation may only start
+            # from (a system prompt), or it grew while this chat's text was tokenized.
+            line = line.branch(anchor, shared)
+        if plan.new:
+            line.extend([m for m, _ in plan.new], lengths, ids)
+        self.conversations.put(line)
+        return ChatPrefix(line, plan.count, plan.suffix)
 
     async def aencode_chat_head(
         self, messages: list[dict[str, Any]]
@@ -901,6 +1056,9 @@ class RoutingTokenizer:
             )
         if self._tok is None:
             return self.encode_chat(messages, add_generation_prompt)
+        plan = self.plan_chat(messages, add_generation_prompt)
+        if plan is not None:
+            return (await self.aencode_plan(plan)).ids()
         return await self._run(self._chat_plan(messages, add_generation_prompt))
 
     def close(self) -> None:

@@ -23,7 +23,12 @@ from switchyard.kvstore.index import Add, Clear, Location, Op, Remove
 from switchyard.kvstore.keys import KeyCache
 from switchyard.kvstore.remote import RemoteKVStore
 from switchyard.kvstore.store import KVStore, LookupResult
-from switchyard.kvstore.tokenize import CHARS_PER_TOKEN, OFFLOAD_CHARS, RoutingTokenizer
+from switchyard.kvstore.tokenize import (
+    CHARS_PER_TOKEN,
+    OFFLOAD_CHARS,
+    ChatPlan,
+    RoutingTokenizer,
+)
 from switchyard.router.metrics import METRICS_DIR_ENV, KVMetrics
 from switchyard.router.parity import ParityMonitor
 from switchyard.router.request import CHAT, COMPLETIONS, RoutedRequest
@@ -260,6 +265,12 @@ class EmbeddedPrefixes:
         store = self.store
         tok = store.tokenizer_for(model)
         messages, text_prompt = prompt.get("messages"), prompt.get("prompt")
+        if messages is not None and len(messages) > 1:
+            # A later turn extends its conversation's line: only what it adds is tokenized
+            # and keyed, and a last message the router never saw is left out.
+            plan = tok.plan_chat(messages, head=True)
+            if plan is not None and plan.new_chars <= OFFLOAD_CHARS:
+                return await self._probe_line(tok, plan, salt, candidates, lora)
         if messages is not None:
             # Earlier turns come from the message cache: at most a turn's new text is left.
             # A single new message is probed at its head below, whatever its length: most
@@ -291,6 +302,27 @@ class EmbeddedPrefixes:
         result.exact = False
         return result
 
+    async def _probe_line(
+        self,
+        tok: RoutingTokenizer,
+        plan: ChatPlan,
+        salt: str | None,
+        candidates: list[str],
+        lora: str | None = None,
+    ) -> LookupResult | None:
+        """Matches of a chat from its conversation line: the whole prompt where the line
+        holds every message (exact), else without the last message (``_probe_chat``)."""
+        t0 = time.perf_counter()
+        prefix = await tok.aencode_plan(plan)
+        self.store.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+        result = await self.store.match_prefix(prefix, candidates, lora, salt)
+        if result.degraded:
+            return None
+        if plan.left_out:
+            result.total_tokens = prefix.tokens + -(-plan.left_out // CHARS_PER_TOKEN)
+            result.exact = False
+        return result
+
     async def _probe_chat(
         self,
         tok: RoutingTokenizer,
@@ -314,6 +346,9 @@ class EmbeddedPrefixes:
         return result
 
     async def warm(self, model: str, prompt: Prompt) -> None:
+        messages = prompt.get("messages")
+        if messages is not None and await self.store.tokenize_chat(model, messages) is not None:
+            return  # its line holds it now, with no copy of its ids made
         await self.store.tokenize(model, **prompt)
 
     async def place(self, keys: list[int], instance: str, rank: int, ttl_s: float) -> None:
@@ -517,6 +552,8 @@ class KVAwareness:
         self._cache_seen: dict[tuple[int, str, str], int] = {}
         self.key_cache_hit = counters.key_cache_hit
         self.key_cache_miss = counters.key_cache_miss
+        self.conversations = counters.conversations
+        self.conversation_bytes = counters.conversation_bytes
         self._keys_seen = (0, 0)
         self._syncing: asyncio.Task[None] | None = None
         metrics.before_scrape.append(self.sync_counters)
@@ -569,7 +606,8 @@ class KVAwareness:
         model = (self.fleet.parent_of(lora) or req.model) if lora else req.model
         result = await self.source.probe(model, prompt, salt, ids, lora)
         if result is not None:
-            ctx.deferred_keys = (model, prompt, salt, lora)
+            if not result.exact:  # the rest is tokenized once the answer is on its way
+                ctx.deferred_keys = (model, prompt, salt, lora)
         else:
             result = await self.source.lookup(model, prompt, salt, ids, lora)
             if result.degraded:
@@ -585,9 +623,14 @@ class KVAwareness:
         if not isinstance(self.source, EmbeddedPrefixes):
             return
         store = self.source.store
+        lines = held = 0
         for tok in (store.tokenizer, *store.model_tokenizers.values()):
             self._count_cache(tok)
+            lines += len(tok.conversations)
+            held += tok.conversations.bytes
         self._count_keys(store.key_cache)
+        self.conversations.set(lines)
+        self.conversation_bytes.set(held)
 
     async def _sync_counters_every(self, interval_s: float) -> None:
         while True:

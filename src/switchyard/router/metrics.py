@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.registry import Collector
@@ -198,6 +198,25 @@ class RouterMetrics(LabelCache):
             ["reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "switchyard_router_migrations",
+            "Streams whose worker failed after the first byte, by reason (cut, error_event, "
+            "stall) and outcome (resumed on another worker, failed there, not_allowed: the "
+            "request or its limits forbid it, so it ended with an error event).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.migrated_tokens = Counter(
+            "switchyard_router_migrated_tokens",
+            "Prompt and generated tokens carried to the workers that resumed streams.",
+            registry=r,
+        )
+        self.migration_resume = Histogram(
+            "switchyard_router_migration_resume_seconds",
+            "Time from a stream's failure to its first chunk from the worker resuming it.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.decisions = Counter(
             "switchyard_router_routing_decisions",
             "First-choice routing decisions, by policy and worker.",
@@ -263,7 +282,8 @@ class KVMetrics:
         self.tokenize_cache = Counter(
             "switchyard_router_tokenize_cache",
             "Routing tokenization cache lookups by kind (message: a chat message's ids; piece: "
-            "a cut of text; engine: an engine /tokenize answer) and outcome (hit, miss).",
+            "a cut of text; engine: an engine /tokenize answer; conversation: a chat found as "
+            "the extension of one seen before) and outcome (hit, miss).",
             ["kind", "outcome"],
             registry=registry,
         )
@@ -275,6 +295,18 @@ class KVMetrics:
         )
         self.key_cache_hit = key_cache.labels("hit")
         self.key_cache_miss = key_cache.labels("miss")
+        self.conversations = Gauge(
+            "switchyard_router_conversation_lines",
+            "Conversations whose tokenized prefix and block keys the router keeps to extend.",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.conversation_bytes = Gauge(
+            "switchyard_router_conversation_bytes",
+            "Memory those conversation lines take, estimated (bounded per tokenizer).",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
 
 
 # Flow control's tenant label: at most this many tenants have their own at a time, the rest
