@@ -7,11 +7,12 @@ previous assistant answer) and is sent streamed, on one kept connection per targ
 the engine directly and through each router, in an order that rotates every turn. The
 router-added time of a turn is its TTFT through the router less its TTFT direct; the table
 gives the median over the turns, so a cost that grows with the history shows as a figure
-that grows with the system prompt. ``--against REV`` adds our router run from a worktree
-of git revision REV, in the same rotation, for a before/after pair on one engine::
+that grows with the system prompt. ``--against REV ...`` adds our router run from a
+worktree of each git revision, in the same rotation, for a before/after pair on one engine
+(``--only-against``: not from this checkout)::
 
     python -m bench.turn_cost [--words 500 3000 12000] [--turns 32]
-        [--routers kv_aware@1 smg:cache_aware] [--against REV]
+        [--routers kv_aware@1 smg:cache_aware] [--against REV ...] [--only-against]
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ _JSON = {"content-type": "application/json"}
 class _SmgWithTokenizer(RouterSpec):
     """smg given the tokenizer directory our router reads (its ``--tokenizer-path``)."""
 
-    def command(self, engines: list[Engine], port: int, tokenizer: str) -> list[str]:
-        return [*super().command(engines, port, tokenizer), "--tokenizer-path", tokenizer]
+    def command(self, engines: list[Engine], port: int, tokenizer: str, *rest: Any) -> list[str]:
+        return [*super().command(engines, port, tokenizer, *rest), "--tokenizer-path", tokenizer]
 
 
 def _spec(text: str) -> RouterSpec:
@@ -148,16 +149,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--words", type=int, nargs="+", default=[500, 3000, 12000])
     ap.add_argument("--turns", type=int, default=32)
     ap.add_argument("--routers", nargs="+", default=list(ROUTERS))
-    ap.add_argument("--against", help="also run our router from this git revision")
+    ap.add_argument(
+        "--against", nargs="+", default=[], help="also run our router from these git revisions"
+    )
+    ap.add_argument(
+        "--only-against", action="store_true", help="run ours from --against revisions only"
+    )
     ap.add_argument("--speed", type=float, default=1000.0, help="the mock engine's speed-up")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     specs = [_spec(r) for r in args.routers]
     rows: list[tuple[int, str, float, float]] = []
     with ExitStack() as stack:
-        if args.against:
-            code = worktree(stack, args.against)
-            specs += [s.run_from(code, args.against) for s in specs if s.kind == "switchyard"]
+        ours = [s for s in specs if s.kind == "switchyard"]
+        if args.only_against:
+            specs = [s for s in specs if s.kind != "switchyard"]
+        for rev in args.against:
+            code = worktree(stack, rev)
+            specs += [s.run_from(code, rev) for s in ours]
         fleet = stack.enter_context(MockFleet(1, None, args.speed, args.seed))
         engine = fleet.engines[0]
         print(f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
