@@ -48,3 +48,14 @@ def test_repeated_speculative_placements_queue_one_expiry_each_not_one_per_block
     for _ in range(50):
         idx.add_sync(keys, Location(A), ttl_s=30.0)
     assert len(idx._spec_heap) == 50
+
+
+def test_a_longer_turn_moves_only_the_blocks_past_the_prefix_it_moved_lately() -> None:
+    idx = MemoryIndex(capacity_blocks=10_000)
+    chat = block_keys(list(range(1600)), 16)
+    idx.add_sync(chat, Location(A))
+    assert idx.lookup_sync(chat[:80], block_size=16)[0].matched_tokens == 80 * 16
+    moved = idx._moved
+    assert idx.lookup_sync(chat, block_size=16)[0].matched_tokens == 1600
+    assert idx._moved - moved == 20
+    assert list(idx._map)[-20:] == chat[80:]

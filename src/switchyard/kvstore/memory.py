@@ -31,6 +31,10 @@ from switchyard.kvstore.settings import CAPACITY_BLOCKS
 
 # Blocks the first stretch of a lookup's walk reads (``MemoryIndex._walk``).
 _FIRST_STRETCH = 64
+# How far back from a match's end ``_touch`` looks for a prefix it moved lately, and how
+# many such prefixes it remembers.
+_TOUCH_LOOKBACK = 64
+_TOUCHED_HELD = 4096
 
 
 class MemoryIndex:
@@ -60,6 +64,10 @@ class MemoryIndex:
         self._spec_heap: list[tuple[float, int, list[int], int]] = []
         self._spec_seq = 0
         self.evicted_blocks = 0
+        # Keys put at the LRU tail so far, and when (in that count) the prefix ending with
+        # each of the last keys a lookup matched was moved there (``_touch``).
+        self._moved = 0
+        self._touched: dict[int, int] = {}
 
     # -- slots ---------------------------------------------------------------------------
 
@@ -126,6 +134,7 @@ class MemoryIndex:
                 confirm = self._spec.pop
                 for k in keys:
                     confirm((k, bit), None)
+            self._moved += len(keys)
         else:
             expiry = self._now() + ttl_s
             spec = self._spec
@@ -142,6 +151,7 @@ class MemoryIndex:
             if timed:
                 self._spec_seq += 1
                 heapq.heappush(self._spec_heap, (expiry, self._spec_seq, timed, bit))
+            self._moved += len(keys)
         self._count[bit] += added
         if len(d) > self.capacity_blocks:
             self._evict(len(d) - self.capacity_blocks + max(1, self.capacity_blocks // 64))
@@ -273,11 +283,29 @@ class MemoryIndex:
 
     def _touch(self, keys: list[int], n: int) -> None:
         """Move the matched prefix to the LRU tail: hot shared prefixes are never evicted.
-        Popped and put back in one ``dict.update``, in C: a Python step per block cost
-        as much as the walk."""
+
+        Not the part a lookup moved lately: a key moved to the tail is evicted only once
+        about ``capacity_blocks`` keys went in or moved behind it, so a prefix moved less
+        than half that ago is safe, and the next turn of a chat moves only the blocks it
+        adds (its earlier prefix is found by its last key, a few keys back). Popped and
+        put back in one ``dict.update``, in C.
+        """
         d = self._map
-        head = keys[:n]
+        touched = self._touched
+        fresh = self._moved - self.capacity_blocks // 2
+        start = 0
+        for i in range(n - 1, max(-1, n - 1 - _TOUCH_LOOKBACK), -1):
+            at = touched.get(keys[i])
+            if at is not None and at > fresh:
+                start = i + 1
+                break
+        head = keys[start:n]
         d.update(zip(head, map(d.pop, head), strict=True))
+        self._moved += len(head)
+        if head:
+            if len(touched) >= _TOUCHED_HELD:
+                touched.clear()
+            touched[keys[n - 1]] = self._moved
 
     # -- introspection ---------------------------------------------------------------------
 
