@@ -27,7 +27,11 @@ ONE_TRY = {"router": {"retry": {"max_attempts": 1}}}
 ONLY_EMBEDDINGS = {"router": {"retry": {"started_requests": "embeddings"}}}
 
 
-async def test_stream_cut_midway_ends_with_an_upstream_error_event(engine: StubBackend) -> None:
+async def test_stream_cut_midway_with_no_worker_to_resume_on_ends_with_an_upstream_error_event(
+    engine: StubBackend,
+) -> None:
+    """With another worker the stream resumes there (``test_migration``); with none, or
+    with migration off, it ends with an error event."""
     engine.state.chunk_interval_s = 0.001
     engine.state.cut_after_chunks = 3
     async with running_router(engine.url, config=ONE_TRY) as router:

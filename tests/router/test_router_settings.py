@@ -258,6 +258,7 @@ def test_help_lists_the_options_under_their_group_headings() -> None:
         "Timeouts",
         "Limits",
         "Retry",
+        "Migration",
         "TLS to workers",
         "Admission",
         "KV-aware routing",

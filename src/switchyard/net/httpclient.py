@@ -210,6 +210,12 @@ class Response:
         finally:
             self._sink = None
 
+    def fail(self, error: BaseException) -> None:
+        """End the body with ``error``: its reader found the rest unusable (an engine's
+        error event in a stream that goes on elsewhere), so ``pipe`` and ``readany`` raise
+        it and ``close`` drops the connection."""
+        self._finish(error)
+
     def _take(self) -> bytes:
         """The body bytes buffered so far, as one piece."""
         chunks = self._chunks

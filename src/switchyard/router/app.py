@@ -53,6 +53,7 @@ from switchyard.router.metrics import (
     RouterMetrics,
     flush_metric_files_on,
 )
+from switchyard.router.migration import Migrator
 from switchyard.router.pd.orchestrator import build_orchestrator
 from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
 from switchyard.router.request import (
@@ -209,6 +210,7 @@ class RouterApp:
                 settings.timeouts.output_token_allowance_s,
             ),
             started_requests=settings.retry.started_requests,
+            migrator=Migrator(settings.migration, settings.timeouts.idle_s),
         )
         self.pd = build_orchestrator(
             settings.pd,

@@ -15,6 +15,7 @@ connection).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -28,15 +29,30 @@ from starlette.types import Send
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
 from switchyard.net.errors import InvalidHeader, TransportError
-from switchyard.net.httpclient import Response
+from switchyard.net.httpclient import PieceWriter, Response
 from switchyard.router.admission import Expected, TTFTModel
 from switchyard.router.errors import RouterError, engine_error_body
 from switchyard.router.kv import KVAwareness
 from switchyard.router.metrics import RouterMetrics
-from switchyard.router.relay import Relay, UpstreamTimeout, response_headers, send_complete
-from switchyard.router.request import COMPLETIONS, EMBEDDINGS, PASS_THROUGH, RoutedRequest
+from switchyard.router.migration import (
+    FAILED,
+    NOT_ALLOWED,
+    RESUMED,
+    Keeper,
+    Migrator,
+    Plan,
+    reason_of,
+)
+from switchyard.router.relay import (
+    EngineErrorEvent,
+    Relay,
+    UpstreamTimeout,
+    response_headers,
+    send_complete,
+)
+from switchyard.router.request import CHAT, COMPLETIONS, EMBEDDINGS, PASS_THROUGH, RoutedRequest
 from switchyard.router.scheduler.framework import Context
-from switchyard.router.upstream import Call, Unsent, may_have_started
+from switchyard.router.upstream import Broken, Call, Unsent, may_have_started
 from switchyard.router.usage import read_usage
 
 if TYPE_CHECKING:
@@ -76,6 +92,15 @@ def next_worker(ranked: list[Worker], attempt: int, timed_out: list[Worker]) -> 
         if all(w is not worker for w in timed_out):
             return worker
     return timed_out[-1]
+
+
+def _resumer(ranked: list[Worker], tried: list[Worker]) -> Worker | None:
+    """The worker a stream resumes on: the policy's first not yet tried for it, else the
+    one tried longest ago, never the one that just failed (``tried[-1]``)."""
+    for worker in ranked:
+        if all(worker is not t for t in tried):
+            return worker
+    return tried[0] if len(tried) > 1 else None
 
 
 class _Retry(Exception):
@@ -144,12 +169,15 @@ class Forwarder:
         ttft_model: TTFTModel | None = None,
         deadlines: FirstByteDeadlines | None = None,
         started_requests: str = "always",
+        migrator: Migrator | None = None,
     ) -> None:
         """``deadlines``: when a worker's first byte is late enough to try another (None:
         only the relay's first-byte timeout). ``started_requests`` (``never``,
         ``embeddings``, ``always``): which requests a worker may have begun go to another
-        (``settings.Retry.started_requests``)."""
+        (``settings.Retry.started_requests``). ``migrator``: how a stream whose worker
+        fails after its first byte resumes on another (None: it ends with an error event)."""
         self.fleet = fleet
+        self.migrator = migrator
         self.started_requests = started_requests
         self.relay = relay
         self.metrics = metrics
@@ -201,6 +229,10 @@ class Forwarder:
         error: RouterError | None = None
         attempts = self.max_attempts
         timed_out: list[Worker] = []  # in the order their first byte was late
+        migrator = self.migrator
+        plan = (
+            migrator.plan(req) if migrator is not None and req.stream and len(ranked) > 1 else None
+        )
         for attempt in range(attempts):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
@@ -208,8 +240,19 @@ class Forwarder:
             last = attempt + 1 == attempts
             try:
                 return await self._attempt(
-                    req, ctx, worker, headers, request_id, send, started, last, len(ranked) > 1
+                    req,
+                    ctx,
+                    worker,
+                    headers,
+                    request_id,
+                    send,
+                    started,
+                    last,
+                    len(ranked) > 1,
+                    plan,
                 )
+            except Broken as broken:
+                return await self._resume(req, ctx, ranked, headers, send, worker, broken)
             except _Retry as retry:
                 self.metrics.retries.labels(retry.reason).inc()
                 error = retry.error or error
@@ -230,9 +273,11 @@ class Forwarder:
         started: float,
         last: bool,
         others: bool,
+        plan: Plan | None = None,
     ) -> tuple[int, str]:
         """Send ``req`` to ``worker`` once and relay its answer; raises ``_Retry`` when it
-        failed before the client saw a byte and another worker may try.
+        failed before the client saw a byte and another worker may try, ``Broken`` when a
+        stream that may migrate (``plan``) failed after.
 
         While a later attempt can go to another worker (``others``, not ``last``, and the
         route's requests may be retried once begun), the first byte must come within
@@ -264,7 +309,8 @@ class Forwarder:
         began = time.perf_counter()
         try:
             with call:
-                resp = await self.relay.open(call.url, req.body, call.headers, deadline_s)
+                body = req.body if plan is None else plan.body
+                resp = await self.relay.open(call.url, body, call.headers, deadline_s)
                 try:
                     status = resp.status
                     call.head(status)
@@ -286,6 +332,7 @@ class Forwarder:
                             ctx,
                             rank,
                             due,
+                            plan,
                         )
                         usage = ctx.usage = read_usage(tail)  # once, for all that count it
                         ctx.generated = call.ticket.generated
@@ -309,6 +356,8 @@ class Forwarder:
                     400, f"Invalid request header: {exc}", code="invalid_header"
                 ) from None
             if call.answered or call.outcome not in _RETRIED:
+                if call.answered and req.stream and self.migrator is not None:
+                    self._not_migrated(req, exc)
                 raise self._upstream_error(exc, worker, answered=call.answered) from None
             if not again and may_have_started(exc) and not await self._gone(exc, call.url):
                 raise self._upstream_error(exc, worker, answered=False) from None
@@ -372,6 +421,7 @@ class Forwarder:
         ctx: Context,
         rank: int | None,
         due: float | None,
+        plan: Plan | None = None,
     ) -> bytes:
         """Send the worker's answer to the client; return the bytes where usage would be.
 
@@ -379,14 +429,20 @@ class Forwarder:
         another answer), so until then a failure raises ``Unsent`` and another worker may
         answer. A stream's first chunk must come by ``due`` (monotonic; None: the cap).
         ``clocks``: when the request came and when this attempt began (perf_counter).
+        A stream that may migrate (``plan``) goes through a ``Keeper``; its failure after
+        the first chunk raises ``Broken``.
         """
         out_headers = response_headers(resp, request_id)
         out_headers.append((WORKER_HEADER, ticket.worker.id.encode()))
         ttft = self.metrics.child(self.metrics.ttft, req.route)
         if resp.content_type.startswith(b"text/event-stream"):
             wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
+            keeper = None
             try:
                 first = await self.relay.first_chunk(resp, wait_s)
+                if plan is not None and self.migrator is not None:
+                    keeper = self.migrator.keeper(plan, req)
+                    first = await self._first_events(resp, keeper, first, due)
             except (UpstreamTimeout, TransportError, OSError) as exc:
                 raise Unsent(exc) from None
             await send(
@@ -401,6 +457,8 @@ class Forwarder:
             # a getattr, not an isinstance of a runtime-checkable Protocol, whose attribute
             # walk (typing._get_protocol_attrs) is too slow for the request path.
             offered = getattr(send, "stream_writer", None)
+            if keeper is not None:
+                return await self._stream_kept(resp, send, ticket, offered, keeper)
             tail = await self.relay.stream(
                 resp,
                 send,
@@ -426,6 +484,217 @@ class Forwarder:
             self.kv.answered(ctx, ticket.worker, rank)
         return body
 
+    async def _first_events(
+        self, resp: Response, keeper: Keeper, first: bytes, due: float | None
+    ) -> bytes:
+        """The first complete events of a stream that may migrate: a first read that ends
+        inside an event waits for its end, within the first chunk's time."""
+        out = keeper.feed(first, first=True)
+        while not out and first:
+            wait_s = self.relay.first_byte_timeout_s if due is None else due - time.monotonic()
+            first = await self.relay.first_chunk(resp, wait_s)
+            out = keeper.feed(first, first=True) if first else keeper.flush()
+        return out
+
+    async def _stream_kept(
+        self,
+        resp: Response,
+        send: Send,
+        ticket: Ticket,
+        offered: Callable[[], PieceWriter | None] | None,
+        keeper: Keeper,
+    ) -> bytes:
+        """The rest of a stream that may migrate, after its first chunk; its mean gap between
+        chunks is learned, for its worker's stall deadline."""
+        migrator = self.migrator
+        assert migrator is not None
+        worker = ticket.worker.id
+        began = time.perf_counter()
+        try:
+            tail = await self.relay.stream_kept(
+                resp,
+                send,
+                lambda n: self.fleet.progress(ticket, n),
+                offered() if offered is not None else None,
+                keeper,
+                migrator.stall_s(worker),
+            )
+        except (UpstreamTimeout, TransportError, OSError, EngineErrorEvent) as exc:
+            raise Broken(exc, keeper) from None
+        if keeper.reads > 1:
+            migrator.learn(worker, (time.perf_counter() - began) / (keeper.reads - 1))
+        await send({"type": "http.response.body", "body": b""})
+        return tail
+
+    async def _resume(
+        self,
+        req: RoutedRequest,
+        ctx: Context,
+        ranked: list[Worker],
+        headers: dict[str, str],
+        send: Send,
+        worker: Worker,
+        broken: Broken,
+    ) -> tuple[int, str]:
+        """Carry on a stream whose ``worker`` failed after its first byte on the next workers
+        in the policy's order, at most ``max_per_request`` times; where it cannot, the stream
+        ends as it would without migration."""
+        migrator = self.migrator
+        assert migrator is not None
+        keeper, cause = broken.keeper, broken.cause
+        tried = [worker]
+        moves = 0
+        options = req.data.get("stream_options")
+        asked_usage = isinstance(options, dict) and options.get("include_usage") is True
+        while True:
+            reason = reason_of(cause)
+            why = keeper.why_not()
+            if why is None and moves >= migrator.max_per_request:
+                why = "max_per_request"
+            body = None
+            if why is None:
+                body = keeper.continuation(req)
+                if body is None:  # nothing left to generate: the stream ends from here
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": keeper.ending(asked_usage),
+                            "more_body": True,
+                        }
+                    )
+                    await send({"type": "http.response.body", "body": b""})
+                    self.metrics.migrations.labels(reason, RESUMED).inc()
+                    ctx.usage, ctx.generated = keeper.usage(), keeper.generated()
+                    return 200, worker.id
+            target = _resumer(ranked, tried)
+            if body is None or target is None:
+                self.metrics.migrations.labels(reason, NOT_ALLOWED if why else FAILED).inc()
+                return await self._end_broken(cause, worker, keeper, send)
+            moves += 1
+            tried = [w for w in tried if w is not target] + [target]
+            try:
+                resumed = await self._continue(
+                    req, ctx, worker, target, headers, send, keeper, body, reason, asked_usage
+                )
+            except Broken as again:
+                cause, worker = again.cause, target
+                continue
+            if resumed:
+                ctx.usage, ctx.generated = keeper.usage(), keeper.generated()
+                return 200, target.id
+            self.metrics.migrations.labels(reason, FAILED).inc()
+
+    async def _end_broken(
+        self, cause: BaseException, worker: Worker, keeper: Keeper, send: Send
+    ) -> tuple[int, str]:
+        """A stream that cannot migrate ends as it would have: with the engine's own error
+        event and ``[DONE]`` where it sent one, else with the router's error event."""
+        error = keeper.error
+        if isinstance(cause, EngineErrorEvent) and error is not None:
+            if b"data: [DONE]" not in error:
+                error += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": error, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            return 200, worker.id
+        raise self._upstream_error(cause, worker, answered=True)
+
+    async def _continue(
+        self,
+        req: RoutedRequest,
+        ctx: Context,
+        failed: Worker,
+        worker: Worker,
+        headers: dict[str, str],
+        send: Send,
+        keeper: Keeper,
+        body: bytes,
+        reason: str,
+        asked_usage: bool,
+    ) -> bool:
+        """One continuation of the stream on ``worker``: True once it ended the stream,
+        False where it failed before its first chunk (nothing of it reached the client).
+        Raises ``Broken`` where it failed after."""
+        migrator = self.migrator
+        assert migrator is not None
+        began = time.perf_counter()
+        tokens = keeper.carried()
+        tracing = self.tracing
+        span = (
+            tracing.span(
+                "switchyard.migrate",
+                {
+                    "switchyard.migration.reason": reason,
+                    "switchyard.migration.from": failed.id,
+                    "switchyard.worker": worker.id,
+                    "switchyard.migration.tokens": tokens,
+                },
+            )
+            if tracing is not None
+            else contextlib.nullcontext()
+        )
+        expected = (
+            self.ttft_model.expect(ctx, worker, True) if self.ttft_model is not None else None
+        )
+        cap = self.relay.first_byte_timeout_s
+        deadline = self.deadlines.of(req, expected, cap) if self.deadlines is not None else None
+        wait_s = cap if deadline is None else deadline
+        rank = self.fleet.choose_rank(worker, prompt_tokens=tokens)
+        with span:
+            call = Call(
+                self.fleet,
+                worker,
+                rank,
+                COMPLETIONS,
+                headers,
+                prompt_tokens=tokens,
+                tracing=tracing,
+            )
+            try:
+                with call:
+                    resp = await self.relay.open(call.url, body, call.headers, wait_s)
+                    try:
+                        call.head(resp.status)
+                        if resp.status != 200 or not resp.content_type.startswith(
+                            b"text/event-stream"
+                        ):
+                            await self.relay.read_all(resp)
+                            return False
+                        first = await self.relay.first_chunk(resp, wait_s)
+                        if not first:
+                            return False
+                        self.fleet.first_token(call.ticket)
+                        m = self.metrics
+                        m.migrations.labels(reason, RESUMED).inc()
+                        m.migrated_tokens.inc(tokens)
+                        m.migration_resume.observe(time.perf_counter() - began)
+                        resp.idle_timeout(migrator.stall_s(worker.id))
+                        await self._relay_continuation(resp, send, keeper, first, asked_usage)
+                        return True
+                    finally:
+                        resp.close()
+            except (UpstreamTimeout, TransportError, OSError):
+                return False
+
+    async def _relay_continuation(
+        self, resp: Response, send: Send, keeper: Keeper, chunk: bytes, asked_usage: bool
+    ) -> None:
+        """A continuation's events to the client as the original stream's; its failure
+        raises ``Broken``."""
+        try:
+            while chunk:
+                out, failed = keeper.translate(chunk, asked_usage)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if failed:
+                    raise EngineErrorEvent("the engine sent an error event")
+                chunk = await resp.readany()
+        except (UpstreamTimeout, TransportError, OSError, EngineErrorEvent) as exc:
+            raise Broken(exc, keeper) from None
+        end = keeper.ending(asked_usage)
+        if end:
+            await send({"type": "http.response.body", "body": end, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
     def _first_token(
         self,
         ttft: Histogram,
@@ -449,6 +718,13 @@ class Forwarder:
             expected.observe(now - began)
         if self.kv is not None:
             self.kv.answered(ctx, ticket.worker, rank)
+
+    def _not_migrated(self, req: RoutedRequest, exc: BaseException) -> None:
+        """Count a stream that failed after its first byte where migration is on but the
+        request may not migrate (its kind, or a fleet of one worker)."""
+        assert self.migrator is not None
+        if self.migrator.settings.enabled and req.route in (COMPLETIONS, CHAT):
+            self.metrics.migrations.labels(reason_of(exc), NOT_ALLOWED).inc()
 
     def _upstream_error(self, exc: BaseException, worker: Worker, *, answered: bool) -> RouterError:
         """What the client hears of an answer that failed: 504 if the worker went silent, else

@@ -10,10 +10,14 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from starlette.types import Send
 
 from switchyard.net.httpclient import MAX_HEAD_BYTES, ConnectionPool, PieceWriter, Response
+
+if TYPE_CHECKING:
+    from switchyard.router.migration import Keeper
 
 # Headers that describe one connection, not the message: never forwarded either way.
 HOP_BY_HOP = frozenset(
@@ -41,6 +45,10 @@ class UpstreamTimeout(Exception):
     def __init__(self, message: str, *, maybe_started: bool = True) -> None:
         super().__init__(message)
         self.maybe_started = maybe_started
+
+
+class EngineErrorEvent(Exception):
+    """A stream that may migrate carried the engine's error event after its first byte."""
 
 
 class Relay:
@@ -161,6 +169,52 @@ class Relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except TimeoutError:
             raise UpstreamTimeout(f"stream idle for more than {idle}s") from None
+
+    async def stream_kept(
+        self,
+        resp: Response,
+        send: Send,
+        on_progress: Callable[[int], None],
+        write: PieceWriter | None,
+        keeper: Keeper,
+        idle_s: float,
+    ) -> bytes:
+        """``stream`` for a stream that may migrate: each piece goes through ``keeper``
+        (kept, its token ids nulled) on its way to the client, and the stream may go
+        ``idle_s`` without a chunk. Raises ``EngineErrorEvent`` where the engine sent an
+        error event, ``UpstreamTimeout`` where the stream went idle."""
+        resp.idle_timeout(idle_s)
+        feed = keeper.feed
+        try:
+            if write is not None:
+
+                def forward(chunk: bytes) -> asyncio.Future[None] | None:
+                    out = feed(chunk)
+                    if not keeper.reads & 15:
+                        on_progress(keeper.reads)
+                    if keeper.error is not None:
+                        resp.fail(EngineErrorEvent("the engine sent an error event"))
+                    return write(out) if out else None
+
+                await resp.pipe(forward)
+            else:
+                while True:
+                    chunk = await resp.readany()
+                    if not chunk:
+                        break
+                    out = feed(chunk)
+                    if not keeper.reads & 15:
+                        on_progress(keeper.reads)
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if keeper.error is not None:
+                        raise EngineErrorEvent("the engine sent an error event")
+        except TimeoutError:
+            raise UpstreamTimeout(f"stream idle for more than {idle_s:.1f}s") from None
+        rest = keeper.flush()
+        if rest:
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
+        return keeper.tail()
 
 
 async def send_complete(

@@ -1,8 +1,9 @@
 """Router settings: flags over SWITCHYARD_ROUTER_* environment over the YAML file's `router:`.
 
 The knobs come in groups, each one value with its own repr (``settings.timeouts``,
-``settings.limits``, ``settings.retry``, ``settings.tls``, ``settings.admission``,
-``settings.kv``, ``settings.flow``, ``settings.tracing``, ``settings.pd``), so a reader
+``settings.limits``, ``settings.retry``, ``settings.migration``, ``settings.tls``,
+``settings.admission``, ``settings.kv``, ``settings.flow``, ``settings.tracing``,
+``settings.pd``), so a reader
 sees the eight timeouts as one thing.
 """
 
@@ -148,6 +149,39 @@ class Retry(Group):
         "connection is closed, so vLLM and SGLang abort it), embeddings (only requests "
         "that generate nothing), or never. Requests no worker can have started (refused, "
         "connect timeout, never written) and 502/503 answers are retried in any case",
+    )
+
+
+class Migration(Group):
+    """How a stream whose worker fails after its first byte resumes on another worker, so
+    its client sees one stream (docs/operations.md, "When engines fail")."""
+
+    heading: ClassVar[str] = "Migration"
+
+    enabled: bool = Field(
+        default=True,
+        description="resume a streamed completion or chat on another worker when its worker "
+        "cuts the stream, sends an error event or stalls after the first byte (off: the "
+        "stream ends with an error event)",
+    )
+    max_per_request: int = Field(
+        default=2, ge=1, description="migrations of one stream before it ends with an error event"
+    )
+    max_kept_tokens: int = Field(
+        default=32_768,
+        ge=1,
+        description="prompt and generated token ids kept per stream to resume it; a stream "
+        "beyond them cannot migrate",
+    )
+    stall_factor: float = Field(
+        default=20.0,
+        gt=0,
+        description="a stream that may migrate stalls after this many times its worker's "
+        "learned gap between chunks without one (at least migration.stall_floor_s, at most "
+        "timeouts.idle_s)",
+    )
+    stall_floor_s: float = Field(
+        default=5.0, gt=0, description="the shortest wait before a stream counts as stalled"
     )
 
 
@@ -553,7 +587,7 @@ class RouterSettings(ServiceSettings):
     policy: str = Field(
         default="kv_aware",
         description="round_robin, random, least_load, power_of_two, consistent_hash, "
-        "cache_aware, kv_aware or custom",
+        "cache_aware, kv_aware, latency or custom",
     )
     policy_options: dict[str, Any] = Field(
         default_factory=dict, description="policy options as JSON (see the README's policies)"
@@ -618,6 +652,7 @@ class RouterSettings(ServiceSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     limits: Limits = Field(default_factory=Limits)
     retry: Retry = Field(default_factory=Retry)
+    migration: Migration = Field(default_factory=Migration)
     tls: TLS = Field(default_factory=TLS)
     admission: Admission = Field(default_factory=Admission)
     kv: KV = Field(default_factory=KV)

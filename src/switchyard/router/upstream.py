@@ -26,11 +26,12 @@ from typing import TYPE_CHECKING
 from switchyard.balancer.view import FleetView
 from switchyard.balancer.worker import Outcome, Ticket, Worker
 from switchyard.net.errors import ConnectError, InvalidHeader, TransportError
-from switchyard.router.relay import UpstreamTimeout
+from switchyard.router.relay import EngineErrorEvent, UpstreamTimeout
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
+    from switchyard.router.migration import Keeper
     from switchyard.router.tracing import Tracing
 
 
@@ -43,12 +44,24 @@ class Unsent(Exception):
         self.cause = cause
 
 
+class Broken(Exception):
+    """A stream that may migrate failed after its first byte reached the client; ``cause``
+    is the failure, ``keeper`` what was relayed (``router.migration``)."""
+
+    def __init__(self, cause: BaseException, keeper: Keeper) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.keeper = keeper
+
+
 def outcome_of(exc: BaseException, answered: bool) -> Outcome:
     """The outcome of a call that raised ``exc``; ``answered``: the response head had arrived.
 
     The one place the transport's failures (``switchyard.net.errors``) become outcomes."""
-    if isinstance(exc, Unsent):
+    if isinstance(exc, Unsent | Broken):
         exc = exc.cause
+    if isinstance(exc, EngineErrorEvent):
+        return Outcome.SERVER_ERROR
     if isinstance(exc, InvalidHeader):
         return Outcome.CLIENT_ABORT
     if isinstance(exc, UpstreamTimeout | TimeoutError):
