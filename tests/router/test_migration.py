@@ -278,7 +278,7 @@ async def test_an_error_event_that_cannot_migrate_reaches_the_client_as_the_engi
 ) -> None:
     one, two = engines
     one.faults.append(Fault("error", 3))
-    config = {"router": {"migration": {"max_kept_tokens": 5}}}
+    config = {"router": {"migration": {"max_kept_bytes": 100}}}
     async with running_router(one.url, two.url, config=config, **ROUND_ROBIN) as router:
         chunks = await stream(router, "/v1/completions", COMPLETION)
     assert chunks[-2]["error"]["message"] == "EngineCore encountered an issue."
@@ -287,7 +287,7 @@ async def test_an_error_event_that_cannot_migrate_reaches_the_client_as_the_engi
 
 
 def test_the_keeper_nulls_token_ids_only_in_whole_events() -> None:
-    keeper = Keeper(strip=True, chat=False, max_tokens=100)
+    keeper = Keeper(strip=True, chat=False, max_bytes=1000)
     event = (
         b'data: {"id":"c","choices":[{"index":0,"text":" a","prompt_token_ids":[1,2],'
         b'"token_ids":[7]}]}\n\n'

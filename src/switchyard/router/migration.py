@@ -4,10 +4,10 @@ worker, and its client sees one stream.
 A streamed completion or chat that may migrate asks its worker for token ids
 (``return_token_ids``, vLLM's), and the ids are nulled in each chunk before the client sees
 it, unless the client asked for them: the client gets the bytes it would have had without
-the flag. The relay keeps the chunks as they came, a list append, and parses them only
-when the stream fails (or every ``_COMPACT_BYTES``, into token ids, so a long stream's copy
-stays small). A failure is a cut connection, an engine's error event, or a stall: no chunk
-for ``stall_factor`` times the worker's learned gap between chunks (at least
+the flag. The relay keeps the chunks as they came, a list append up to ``max_kept_bytes``,
+and parses them only when the stream fails: no per-chunk parse, measurable on the SSE
+path. A failure is a cut connection, an engine's error event, or a stall: no chunk for
+``stall_factor`` times the worker's learned gap between chunks (at least
 ``stall_floor_s``).
 
 Both routes continue on ``/v1/completions`` from a token-id prompt: the prompt's ids (the
@@ -22,7 +22,7 @@ output, tool calls, ``n`` or ``best_of`` above one, log probabilities, ``echo``,
 strings (the engine holds back text that may begin one, and a stop string can straddle
 the boundary), frequency and presence penalties (they count only generated tokens),
 continuous usage statistics, an answer with reasoning or tool-call deltas, an engine that
-returns no token ids, and a stream whose kept ids pass ``max_kept_tokens``.
+returns no token ids, and a stream longer than ``max_kept_bytes``.
 """
 
 from __future__ import annotations
@@ -45,10 +45,8 @@ RESUMED, FAILED, NOT_ALLOWED = "resumed", "failed", "not_allowed"
 _EVENT_END = b"\n\n"
 _DONE = b"data: [DONE]\n\n"
 _ERROR = b'data: {"error"'
-_IDS = re.compile(rb'"((?:prompt_)?token_ids)":\[[0-9, ]*\]')
-_IDS_MARK = b'_ids":['
-# Kept chunks are parsed into token ids past this many bytes.
-_COMPACT_BYTES = 256 * 1024
+_LAST = (b"}}\n\n", b"[DONE]\n\n")  # how an error event, or the [DONE] after it, ends
+_IDS = re.compile(rb'token_ids":\[[0-9, ]*\]')  # and prompt_token_ids
 # A stream with no event end in this many bytes is not SSE as engines send it: relayed as
 # it comes, not kept.
 _MAX_CARRY_BYTES = 256 * 1024
@@ -167,7 +165,7 @@ class Migrator:
         return Plan(body[:end] + b',"return_token_ids":true}', True)
 
     def keeper(self, plan: Plan, req: RoutedRequest) -> Keeper:
-        return Keeper(plan.strip, req.route == CHAT, self.settings.max_kept_tokens)
+        return Keeper(plan.strip, req.route == CHAT, self.settings.max_kept_bytes)
 
     def stall_s(self, worker_id: str) -> float:
         """How long a stream from ``worker_id`` may go without a chunk before it migrates."""
@@ -288,6 +286,11 @@ class Transcript:
         return choices
 
 
+def _null_ids(piece: bytes) -> bytes:
+    """``piece`` with each token id list (``token_ids``, ``prompt_token_ids``) as null."""
+    return _IDS.sub(b'token_ids":null', piece)
+
+
 def _data(event: bytes) -> bytes | None:
     """The data of one SSE event (its ``data:`` lines joined), None if it has none."""
     if event.startswith(b"data: ") and b"\n" not in event:
@@ -302,7 +305,7 @@ class Keeper:
     __slots__ = (
         "strip",
         "chat",
-        "max_tokens",
+        "max_bytes",
         "kept",
         "size",
         "carry",
@@ -314,10 +317,10 @@ class Keeper:
         "last",
     )
 
-    def __init__(self, strip: bool, chat: bool, max_tokens: int) -> None:
+    def __init__(self, strip: bool, chat: bool, max_bytes: int) -> None:
         self.strip = strip
         self.chat = chat
-        self.max_tokens = max_tokens
+        self.max_bytes = max_bytes
         self.kept: list[bytes] = []
         self.size = 0
         self.carry = b""  # an event's beginning, sent with its end
@@ -332,6 +335,25 @@ class Keeper:
         where the client did not ask for them. An engine's error event (after the first
         piece) ends the stream here: it and what follows go to ``error``."""
         self.reads += 1
+        if self.carry or self.error is not None or self.passing or not piece.endswith(_EVENT_END):
+            piece = self._whole(piece)
+            if not piece:
+                return piece
+        # an error event ends its stream: the piece ends with it or with the [DONE] after it
+        if not first and piece.endswith(_LAST) and _ERROR in piece:
+            at = piece.find(_ERROR)
+            if at == 0 or piece[at - 1 : at] == b"\n":
+                self.error, piece = piece[at:], piece[:at]
+        if self.size < self.max_bytes:
+            self.kept.append(piece)
+        else:  # past the cap: only the last two, where usage is
+            self.previous, self.last = self.last, piece
+        self.size += len(piece)
+        return _null_ids(piece) if self.strip else piece
+
+    def _whole(self, piece: bytes) -> bytes:
+        """The complete events of ``piece`` and what was carried before it; the rest of it
+        is carried to the next."""
         if self.error is not None:
             return b""
         if self.passing:
@@ -349,18 +371,6 @@ class Keeper:
                 self.passing = True
                 self.transcript.problem = "not_sse"
                 piece, self.carry = piece + self.carry, b""
-        if not first and _ERROR in piece:
-            at = piece.find(_ERROR)
-            if at == 0 or piece[at - 1 : at] == b"\n":
-                self.error, piece = piece[at:], piece[:at]
-        self.kept.append(piece)
-        self.size += len(piece)
-        if self.size > _COMPACT_BYTES:
-            self.compact()
-        if self.strip and _IDS_MARK in piece:
-            piece = _IDS.sub(rb'"\1":null', piece)
-        if piece:
-            self.previous, self.last = self.last, piece
         return piece
 
     def flush(self) -> bytes:
@@ -370,13 +380,11 @@ class Keeper:
 
     def compact(self) -> Transcript:
         """The kept pieces parsed into the transcript."""
+        if self.size > self.max_bytes:
+            self.transcript.problem = "max_kept_bytes"
         if self.kept:
             self.transcript.absorb(b"".join(self.kept))
             self.kept.clear()
-            self.size = 0
-            t = self.transcript
-            if len(t.generated) + len(t.prompt or ()) > self.max_tokens:
-                t.problem = "max_kept_tokens"
         return self.transcript
 
     def why_not(self) -> str | None:
@@ -464,10 +472,7 @@ class Keeper:
                     t.usage_sent = False  # the original's was never sent
                 continue
             out.append(b"data: " + orjson.dumps(self._rewrite(obj, choices[0])) + _EVENT_END)
-        sent = b"".join(out)
-        if sent:
-            self.previous, self.last = self.last, sent
-        return sent, False
+        return b"".join(out), False
 
     def _rewrite(self, obj: dict[str, Any], choice: dict[str, Any]) -> dict[str, Any]:
         t = self.transcript
@@ -548,4 +553,7 @@ class Keeper:
         return Usage(len(t.prompt or ()), len(t.generated), cached or 0)
 
     def tail(self) -> bytes:
+        """The last two pieces sent, where usage is."""
+        if self.size <= self.max_bytes:
+            return b"".join(self.kept[-2:])
         return self.previous + self.last

@@ -167,11 +167,11 @@ class Migration(Group):
     max_per_request: int = Field(
         default=2, ge=1, description="migrations of one stream before it ends with an error event"
     )
-    max_kept_tokens: int = Field(
-        default=32_768,
+    max_kept_bytes: int = Field(
+        default=2 * 1024 * 1024,
         ge=1,
-        description="prompt and generated token ids kept per stream to resume it; a stream "
-        "beyond them cannot migrate",
+        description="bytes of a stream kept to resume it (a vLLM chunk with its token ids is "
+        "about 250 bytes a token); a longer stream cannot migrate",
     )
     stall_factor: float = Field(
         default=20.0,
