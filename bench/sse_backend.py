@@ -1,5 +1,8 @@
 """A fixed-answer streaming backend for relay benchmarks: N SSE events per request, one write each.
 
+``python -m bench.sse_backend PORT EVENTS [vllm]``: ``vllm`` sends vLLM's completion chunks
+with token ids, as a request with ``return_token_ids`` gets them.
+
 Plain asyncio on uvloop, so the backend is never what limits the relay figure.
 """
 
@@ -11,11 +14,18 @@ import sys
 import uvloop
 
 EVENT = b'data: {"id":"cmpl-b","object":"text_completion","choices":[{"index":0,"text":"tok"}]}\n\n'
+# vLLM's completion chunk as a request with return_token_ids gets it (``vllm`` argument).
+VLLM_EVENT = (
+    b'data: {"id":"cmpl-b","object":"text_completion","created":1765000000,'
+    b'"model":"bench","choices":[{"index":0,"text":" tok","logprobs":null,'
+    b'"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,"token_ids":[11234]}]}\n\n'
+)
 
 
 class Handler(asyncio.Protocol):
-    def __init__(self, events: int) -> None:
+    def __init__(self, events: int, event: bytes = EVENT) -> None:
         self.events = events
+        self.event = event
         self.buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -48,7 +58,7 @@ class Handler(asyncio.Protocol):
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
-        chunk = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+        chunk = b"%x\r\n%s\r\n" % (len(self.event), self.event)
         for _ in range(self.events):
             t.write(chunk)
             await asyncio.sleep(0)
@@ -56,11 +66,12 @@ class Handler(asyncio.Protocol):
         t.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
 
 
-async def main(port: int, events: int) -> None:
+async def main(port: int, events: int, event: bytes = EVENT) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Handler(events), "127.0.0.1", port)
+    server = await loop.create_server(lambda: Handler(events, event), "127.0.0.1", port)
     await server.serve_forever()
 
 
 if __name__ == "__main__":
-    uvloop.run(main(int(sys.argv[1]), int(sys.argv[2])))
+    vllm = sys.argv[3:] == ["vllm"]
+    uvloop.run(main(int(sys.argv[1]), int(sys.argv[2]), VLLM_EVENT if vllm else EVENT))

@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import orjson
 import pytest
 
 from switchyard.router.migration import Keeper
+from tests.router.conftest import StartRouter
 from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.token_engine import MODEL, Fault, TokenEngine, render, tokenize
 from tests.support import metric
@@ -284,6 +286,37 @@ async def test_an_error_event_that_cannot_migrate_reaches_the_client_as_the_engi
     assert chunks[-2]["error"]["message"] == "EngineCore encountered an issue."
     assert chunks[-1] == "[DONE]"
     assert len(one.bodies) == 1
+
+
+@pytest.mark.parametrize("fault", ["cut", "error"])
+def test_a_router_process_resumes_a_stream_through_its_piece_writer(
+    start_router: StartRouter, fault: str
+) -> None:
+    """The server's writer takes each piece straight from the upstream connection: the
+    same stream on that path, and an error event stops it there."""
+    faults: list[Fault] = [Fault(fault, 5)]
+    bodies: list[dict[str, Any]] = []
+    one, two = (
+        TokenEngine(faults, bodies=bodies).start(),
+        TokenEngine(faults, bodies=bodies).start(),
+    )
+    try:
+        router = start_router(one.url, two.url, args=("--policy", "round_robin"))
+        resp = httpx.post(router.url + "/v1/chat/completions", json={**CHAT, **USAGE}, timeout=30)
+        chunks = events(resp.content)
+        faults.clear()
+        plain = events(
+            httpx.post(
+                router.url + "/v1/chat/completions", json={**CHAT, **USAGE}, timeout=30
+            ).content
+        )
+    finally:
+        one.stop()
+        two.stop()
+    assert_one_stream(chunks)
+    assert text(chunks) == text(plain)
+    assert chunks[-2]["usage"] == plain[-2]["usage"]
+    assert len(bodies) == 3  # the first, its continuation, the plain one
 
 
 def test_the_keeper_nulls_token_ids_only_in_whole_events() -> None:

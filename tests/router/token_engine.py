@@ -79,6 +79,14 @@ class TokenEngine:
     async def __aexit__(self, *exc: object) -> None:
         await self.stub.close()
 
+    def start(self) -> TokenEngine:
+        """Serve from a thread of its own, for a router that is a process."""
+        self.stub.start()
+        return self
+
+    def stop(self) -> None:
+        self.stub.stop()
+
     async def route(self, request: StubRequest) -> StubReply | None:
         chat = request.path == "/v1/chat/completions"
         if request.method != "POST" or not (chat or request.path == "/v1/completions"):
