@@ -164,6 +164,8 @@ def migrations(router_url: str) -> dict[tuple[str, str], float]:
     text = httpx.get(router_url + "/metrics", timeout=10).text
     out: dict[tuple[str, str], float] = {}
     for sample in samples(text, "switchyard_router_migrations_total"):
+        if sample.name != "switchyard_router_migrations_total":
+            continue
         key = (sample.labels["reason"], sample.labels["outcome"])
         out[key] = out.get(key, 0.0) + sample.value
     return out
