@@ -95,7 +95,7 @@ def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
     sock = connect(router.port)
     sock.sendall(health_request())
     first = b""
-    while not first.endswith(b'"ok"}'):  # the whole answer, head and body
+    while not first.endswith(b"}"):  # the whole answer, head and body (a JSON object)
         first += sock.recv(65536)
     answered = time.monotonic()
     assert first.startswith(b"HTTP/1.1 200")
