@@ -14,6 +14,7 @@ import pytest
 from switchyard.router.migration import Keeper
 from tests.router.conftest import StartRouter
 from tests.router.inprocess import InProcessRouter, running_router
+from tests.router.stub_backend import StubBackend
 from tests.router.token_engine import MODEL, Fault, TokenEngine, render, tokenize
 from tests.support import metric
 
@@ -273,6 +274,22 @@ async def test_with_migration_off_a_cut_stream_ends_with_an_error_event(
         chunks = await stream(router, "/v1/completions", COMPLETION)
     assert chunks[-1]["error"]["code"] == "upstream_error"
     assert len(one.bodies) == 1 and "return_token_ids" not in one.bodies[0]
+
+
+async def test_an_engine_that_returns_no_token_ids_has_its_streams_relayed_as_they_come() -> None:
+    """SGLang, an older vLLM, the mock: the stream is relayed untouched, and a cut ends it
+    with an error event as before."""
+    async with StubBackend() as one, StubBackend() as two:
+        for stub in (one, two):
+            stub.state.chunk_interval_s = 0.001
+            stub.state.cut_after_chunks = 3
+        async with running_router(one.url, two.url, **ROUND_ROBIN) as router:
+            resp = await router.post("/v1/completions", json=COMPLETION)
+            refused = await migrations(router, "cut", "not_allowed")
+    body = resp.content.split(b"\n\n")
+    assert body[:3] == [b'data: {"i": %d}' % i for i in range(3)]
+    assert orjson.loads(body[3][len(b"data: ") :])["error"]["code"] == "upstream_error"
+    assert refused == 1
 
 
 async def test_an_error_event_that_cannot_migrate_reaches_the_client_as_the_engine_sent_it(

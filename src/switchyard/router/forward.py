@@ -457,7 +457,7 @@ class Forwarder:
             # a getattr, not an isinstance of a runtime-checkable Protocol, whose attribute
             # walk (typing._get_protocol_attrs) is too slow for the request path.
             offered = getattr(send, "stream_writer", None)
-            if keeper is not None:
+            if keeper is not None and not keeper.passing:
                 return await self._stream_kept(resp, send, ticket, offered, keeper)
             tail = await self.relay.stream(
                 resp,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -47,6 +48,7 @@ _DONE = b"data: [DONE]\n\n"
 _ERROR = b'data: {"error"'
 _LAST = (b"}}\n\n", b"[DONE]\n\n")  # how an error event, or the [DONE] after it, ends
 _IDS = re.compile(rb'token_ids":\[[0-9, ]*\]')  # and prompt_token_ids
+_IDS_MARK = b'token_ids":['
 # A stream with no event end in this many bytes is not SSE as engines send it: relayed as
 # it comes, not kept.
 _MAX_CARRY_BYTES = 256 * 1024
@@ -315,6 +317,7 @@ class Keeper:
         "passing",
         "previous",
         "last",
+        "on_full",
     )
 
     def __init__(self, strip: bool, chat: bool, max_bytes: int) -> None:
@@ -327,8 +330,11 @@ class Keeper:
         self.error: bytes | None = None  # the engine's error event, and what came with it
         self.reads = 0
         self.transcript = Transcript()
-        self.passing = False  # not SSE as engines send it: relayed as it comes, not kept
+        # relayed as it comes, not kept: no token ids, or not SSE as engines send it
+        self.passing = False
         self.previous = self.last = b""  # the last two pieces sent (where usage is)
+        # told once the stream is past ``max_bytes``: it can no longer migrate
+        self.on_full: Callable[[], None] | None = None
 
     def feed(self, piece: bytes, first: bool = False) -> bytes:
         """What the client is sent of ``piece``: its complete events, token ids nulled
@@ -336,9 +342,17 @@ class Keeper:
         piece) ends the stream here: it and what follows go to ``error``."""
         self.reads += 1
         if self.carry or self.error is not None or self.passing or not piece.endswith(_EVENT_END):
+            if self.passing:
+                return piece
             piece = self._whole(piece)
             if not piece:
                 return piece
+        if first and _IDS_MARK not in piece:
+            # the engine ignored return_token_ids (SGLang, an older vLLM): nothing to resume
+            # from, so the stream is relayed as it comes
+            self.passing = True
+            self.transcript.problem = "no_token_ids"
+            return piece
         # an error event ends its stream: the piece ends with it or with the [DONE] after it
         if not first and piece.endswith(_LAST) and _ERROR in piece:
             at = piece.find(_ERROR)
@@ -347,6 +361,8 @@ class Keeper:
         if self.size < self.max_bytes:
             self.kept.append(piece)
         else:  # past the cap: only the last two, where usage is
+            if not self.last and self.on_full is not None:
+                self.on_full()
             self.previous, self.last = self.last, piece
         self.size += len(piece)
         return _null_ids(piece) if self.strip else piece
@@ -356,8 +372,6 @@ class Keeper:
         is carried to the next."""
         if self.error is not None:
             return b""
-        if self.passing:
-            return piece
         if self.carry:
             piece = self.carry + piece
             self.carry = b""

@@ -184,6 +184,8 @@ class Relay:
         ``idle_s`` without a chunk. Raises ``EngineErrorEvent`` where the engine sent an
         error event, ``UpstreamTimeout`` where the stream went idle."""
         resp.idle_timeout(idle_s)
+        if idle_s < self.idle_timeout_s:  # a stream that can no longer migrate may idle longer
+            keeper.on_full = lambda: resp.idle_timeout(self.idle_timeout_s)
         feed = keeper.feed
         try:
             if write is not None:
