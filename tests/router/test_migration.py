@@ -10,8 +10,11 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from switchyard.router.migration import Keeper
+from switchyard.router.settings import Tracing as TracingSettings
+from switchyard.router.tracing import build_tracing
 from tests.router.conftest import StartRouter
 from tests.router.inprocess import InProcessRouter, running_router
 from tests.router.stub_backend import StubBackend
@@ -145,6 +148,33 @@ async def test_a_chat_stream_resumes_as_chat_chunks_under_its_own_id(
     assert len(continued["prompt"]) == len(render(CHAT["messages"])) + 3
     assert continued["max_tokens"] == 9
     assert "messages" not in continued
+
+
+async def test_a_migration_is_a_span_over_the_call_that_resumed_and_is_counted(
+    engines: tuple[TokenEngine, TokenEngine],
+) -> None:
+    one, two = engines
+    one.faults.append(Fault("cut", 5))
+    exporter = InMemorySpanExporter()
+    async with running_router(one.url, two.url, **ROUND_ROBIN) as router:
+        router.app.set_tracing(build_tracing(TracingSettings(), environ={}, exporter=exporter))
+        await stream(router, "/v1/completions", COMPLETION)
+        text = (await router.get("/metrics")).text
+    carried = len(tokenize(COMPLETION["prompt"])) + 5
+    assert metric(text, "switchyard_router_migrated_tokens_total") == carried
+    assert metric(text, "switchyard_router_migration_resume_seconds_count") == 1
+    [span] = [s for s in exporter.get_finished_spans() if s.name == "switchyard.migrate"]
+    assert span.attributes is not None
+    assert span.attributes["switchyard.migration.reason"] == "cut"
+    assert span.attributes["switchyard.migration.tokens"] == carried
+    assert span.attributes["switchyard.worker"] != span.attributes["switchyard.migration.from"]
+    assert span.context is not None
+    [call] = [
+        s
+        for s in exporter.get_finished_spans()
+        if s.parent is not None and s.parent.span_id == span.context.span_id
+    ]
+    assert call.name == "POST /v1/completions"
 
 
 async def test_the_client_gets_the_bytes_it_would_without_token_ids(
