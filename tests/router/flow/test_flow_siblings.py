@@ -78,12 +78,26 @@ def test_a_waiting_sibling_halves_this_process_part_of_the_prefill_cap() -> None
     (worker,) = fleet.workers()
     worker.inflight = worker.local_inflight = 1
     worker.totals.prefill_tokens = 2500  # this process's own, under the whole cap
-    assert flow.can_serve("m")
+    assert flow.can_serve("m", 1000)
     bus.hear("sibling", b"1")
     assert flow.contenders(clock.now) == 2
-    assert not flow.can_serve("m")  # 2500 of its 2000-token part
+    assert not flow.can_serve("m", 1000)  # 2500 of its 2000-token part
     bus.hear("sibling", b"0")
-    assert flow.can_serve("m")
+    assert flow.can_serve("m", 1000)
+
+
+def test_a_short_prompt_needs_only_one_step_ahead_of_it_whatever_the_parts() -> None:
+    """A short prompt fits beside the queued prefill within one step of the cap, which it
+    barely lengthens: held to this process's part it would wait for its own long prompt
+    to drain, a step or more, while the engine could start it in the next."""
+    flow, fleet, bus, clock = flow_control(prefill_cap=4000)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1
+    worker.totals.prefill_tokens = 2500
+    bus.hear("sibling", b"1")
+    assert flow.can_serve("m", 400)
+    worker.totals.remote_prefill_tokens = 1500  # a sibling's: one full step ahead now
+    assert not flow.can_serve("m", 400)
 
 
 def test_a_drained_worker_takes_a_long_prompt_from_each_contender_in_turn() -> None:
@@ -150,25 +164,27 @@ async def test_a_process_says_when_requests_start_and_stop_waiting_in_it() -> No
 
 def test_while_a_sibling_has_stalled_this_process_leaves_workers_to_drain() -> None:
     """A sibling whose long prompts wait for a drained worker can wait for ever while this
-    process keeps a short prompt of its own queued on every worker: once the sibling says
-    its queue has stalled, this process too puts prompts only on drained workers, in its
-    turn there."""
+    process keeps a long prompt of its own queued on every worker: once the sibling says
+    its queue has stalled, this process too puts long prompts only on drained workers, in
+    its turn there. A short prompt still goes where one step at most is ahead of it, and
+    does not keep a worker from counting as drained."""
     flow, fleet, bus, clock = flow_control(prefill_cap=4000)
     (worker,) = fleet.workers()
     worker.inflight = worker.local_inflight = 1
-    worker.totals.prefill_tokens = 100  # this process's own, well within its part
+    worker.totals.prefill_tokens = 1000  # this process's own, within its part
     bus.hear("a-sibling", b"1")  # sorts first: contender 0, this process contender 1
-    assert flow.can_serve("m", 100)
+    assert flow.can_serve("m", 900)
     bus.hear("a-sibling", b"2")
-    assert not flow.can_serve("m", 100)  # the worker has prefill queued
-    worker.totals.prefill_tokens = 0  # drained
+    assert not flow.can_serve("m", 900)  # the worker has a long prompt queued
+    assert flow.can_serve("m", 100)
+    worker.totals.prefill_tokens = 100  # drained of long prompts
     clock.now = 10 * TURN_S  # the sibling's turn on the worker
-    assert not flow.can_serve("m", 100)
+    assert not flow.can_serve("m", 900)
     clock.now += TURN_S  # this process's turn
-    assert flow.can_serve("m", 100)
-    worker.totals.prefill_tokens = 100
+    assert flow.can_serve("m", 900)
+    worker.totals.prefill_tokens = 1000
     bus.hear("a-sibling", b"1")  # it moved again
-    assert flow.can_serve("m", 100)
+    assert flow.can_serve("m", 900)
 
 
 async def test_a_process_says_when_its_queue_has_stalled_and_when_it_moves() -> None:
@@ -190,3 +206,23 @@ async def test_a_process_says_when_its_queue_has_stalled_and_when_it_moves() -> 
     grant = await asyncio.wait_for(waiting, 1.0)
     assert bus.sent[-1] == b"0"
     flow.release(grant, 100, 1)
+
+
+async def test_a_long_prompt_granted_at_once_holds_its_drained_worker_until_it_has_begun() -> None:
+    """Granted at once, a long prompt counts among the starting until its worker is
+    chosen, as one dispatched from the queue does: the worker's counts grow only then, so
+    a second long prompt meanwhile would see the same drained worker and queue on it."""
+    flow, fleet, _, _ = flow_control(prefill_cap=2048)
+    (worker,) = fleet.workers()
+    worker.inflight = worker.local_inflight = 1  # decoding: drained of prefill
+    first = flow.grant_now("flood", "m", 2000)
+    assert first is not None and first.starting
+    assert flow.grant_now("flood", "m", 2000) is None
+    worker.totals.prefill_tokens = 2000  # routed there: the counts say so now
+    flow.begun(first)
+    assert flow.grant_now("flood", "m", 2000) is None  # the worker's room is taken
+    short = flow.grant_now("quiet", "m", 40)  # fits the step beside it
+    assert short is not None and not short.starting  # a short one holds no room
+    flow.release(first, 2000, 1)
+    worker.totals.prefill_tokens = 0
+    assert flow.grant_now("flood", "m", 2000) is not None

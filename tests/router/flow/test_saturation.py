@@ -82,7 +82,7 @@ def test_the_prefill_cap_counts_the_new_requests_own_prompt() -> None:
     assert not saturated(worker(prefill=1000), cap, NOW, prompt_tokens=1000)
     assert saturated(worker(prefill=2048), cap, NOW)  # full, even for an empty prompt
     # a sibling contending halves this process's part
-    assert saturated(worker(prefill=1000), cap, NOW, contenders=2, prompt_tokens=100)
+    assert saturated(worker(prefill=1000), cap, NOW, contenders=2, prompt_tokens=300)
     assert not saturated(worker(prefill=500), cap, NOW, contenders=2, prompt_tokens=500)
 
 
@@ -151,7 +151,9 @@ def test_while_siblings_wait_each_process_keeps_to_its_part_of_the_caps() -> Non
     # two processes wait: this one's part is 4000 tokens and 2 requests
     assert not saturated(shared, cap, NOW, contenders=2)
     # three wait: its part is 2666 tokens, and it holds 3000 of them
-    assert saturated(shared, cap, NOW, contenders=3)
+    assert saturated(shared, cap, NOW, contenders=3, prompt_tokens=2000)
+    # a short prompt needs only one step ahead of it, whatever the parts
+    assert not saturated(shared, cap, NOW, contenders=3, prompt_tokens=200)
     # the sibling's share is not this process's: under its part, the total does not bind
     mine_small = worker(inflight=3, prefill=1000, remote_prefill=16000)
     mine_small.local_inflight = 1
@@ -160,3 +162,22 @@ def test_while_siblings_wait_each_process_keeps_to_its_part_of_the_caps() -> Non
     many = worker(inflight=3, prefill=0)
     many.local_inflight = 2
     assert saturated(many, cap, NOW, contenders=2)
+
+
+def test_a_short_prompt_needs_one_step_ahead_and_leaves_a_worker_drained() -> None:
+    """A short prompt goes where at most one step of the cap is queued ahead of it, every
+    process's prefill counted and no part, turn or stall of theirs applied: the engine
+    starts it in its next step. It does not count against a drained worker either: a
+    long prompt may go beside it, so short requests do not keep a flood from its turn."""
+    cap = Thresholds(max_queued_prefill_tokens=4096)
+    busy = worker(prefill=2500, remote_prefill=1000)
+    for stall in (False, True):
+        assert not saturated(
+            busy, cap, NOW, contenders=3, prompt_tokens=300, turn=False, drained_only=stall
+        )
+    assert saturated(worker(prefill=2500, remote_prefill=1500), cap, NOW, prompt_tokens=300)
+    short_only = worker(prefill=300, remote_prefill=200)
+    assert not saturated(short_only, cap, NOW, prompt_tokens=4000)
+    assert not saturated(short_only, cap, NOW, contenders=3, prompt_tokens=4000)
+    assert saturated(short_only, cap, NOW, contenders=3, prompt_tokens=4000, turn=False)
+    assert saturated(worker(prefill=600), cap, NOW, prompt_tokens=4000)  # a long one queued

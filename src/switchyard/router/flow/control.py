@@ -7,7 +7,8 @@ granted, so the KV-aware choice is made against the fleet as it is at dispatch.
 
 - Fast path: nothing waits and some candidate of the model is not saturated: granted with
   a few attribute reads and one scan over the candidates, no allocation (one grant object
-  is kept per tenant).
+  is kept per tenant); a long prompt under a prefill cap is granted as ``starting``, as
+  a dispatched one is.
 - Slow path: a sheddable request (negative priority) is refused ``shed`` at once; any
   other is pushed and waits for ``pump``, which runs on every release, on every
   ``begun`` and, only while something waits, on a short timer (an idle router runs none).
@@ -45,7 +46,7 @@ from switchyard.router.flow.ratelimit import (
     Share,
     TenantRateLimiter,
 )
-from switchyard.router.flow.saturation import Thresholds, saturated
+from switchyard.router.flow.saturation import SHORT_PROMPT_SHARE, Thresholds, saturated
 
 if TYPE_CHECKING:
     from switchyard.balancer.siblings import SiblingBus
@@ -62,7 +63,8 @@ TOPIC = b"flow"
 # A process whose waiting requests saw no dispatch for this long (of time with requests
 # waiting) says it has stalled: its siblings' prompts, each within their part of the
 # prefill cap, can keep every worker from draining, which its long prompts wait for; the
-# siblings then put prompts only on drained workers in their turn, until it moves.
+# siblings then put prompts that do not fit one step ahead only on drained workers in
+# their turn, until it moves.
 STALL_S = 2.0
 ANNOUNCE_S = 0.5  # a waiting process says so again this often
 # A sibling not heard saying it waits for this long is taken not to (it may have died).
@@ -357,10 +359,25 @@ class FlowControl:
             or not self.can_serve(model, prompt_tokens, candidates)
         ):
             return None
+        if self._claims(prompt_tokens):
+            return self._starting_grant(tenant, model, None)
         grant = self._grants.get(tenant)
         if grant is None:
             grant = self._grants[tenant] = Grant(tenant, model, None, False)
         return grant
+
+    def _claims(self, prompt_tokens: int) -> bool:
+        """Whether a prompt granted at once takes a worker's room for one long prompt
+        (``saturation``): longer than a short one, under a prefill cap."""
+        cap = self.thresholds.max_queued_prefill_tokens
+        return bool(cap) and prompt_tokens * SHORT_PROMPT_SHARE > cap
+
+    def _starting_grant(self, tenant: str, model: str, reservation: Reservation | None) -> Grant:
+        """A grant counted among the starting until its worker is chosen, as a dispatched
+        one is: the worker's counts grow only then, and a burst of long prompts granted
+        at once would meanwhile all see the same drained worker and queue on it."""
+        self._starting[model] = self._starting.get(model, 0) + 1
+        return Grant(tenant, model, reservation, True)
 
     async def admit(
         self,
@@ -387,6 +404,8 @@ class FlowControl:
                     limited.retry_after_s,
                 ) from None
         if not self.queue.size and self.can_serve(model, prompt_tokens):
+            if self._claims(prompt_tokens):
+                return self._starting_grant(tenant, model, reservation)
             return Grant(tenant, model, reservation, False)
         return await self._wait(identity, model, size_bytes, prompt_tokens, reservation)
 

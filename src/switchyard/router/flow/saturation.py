@@ -29,10 +29,17 @@ requests waiting, each keeps to its part of the router-side caps, counted on its
 requests: a shared cap goes to whichever process looks first when a slot frees (the one
 whose request just ended), and another's waiting requests, a quiet tenant's among them,
 would starve behind it. A prompt longer than its part waits for the worker to drain of
-every process's prefill, so the processes' parts do not add up to several long prompts
-queued on one engine. The drained worker then goes to the process whose ``turn`` it is
-there: the process whose prompt just drained hears of it first and would otherwise take
-it again and again, leaving a sibling's long prompts to wait out the queue's TTL.
+every process's long prompts, so the processes' parts do not add up to several long
+prompts queued on one engine. The drained worker then goes to the process whose ``turn``
+it is there: the process whose prompt just drained hears of it first and would otherwise
+take it again and again, leaving a sibling's long prompts to wait out the queue's TTL.
+
+A short prompt is judged on every process's queued prefill, not on a part: it goes where
+at most one step of the cap is queued ahead of it (or it fits the last step of two),
+whatever the parts, turns and stalls say, since the engine then starts it in its next
+step; held to its process's part, it would wait for that process's own long prompt to
+drain. Nor does a short prompt keep a worker from counting as drained: a flood's long
+prompt may go beside it, or the quiet tenant's chats would hold the flood off its turns.
 """
 
 from __future__ import annotations
@@ -70,8 +77,9 @@ def saturated(
     the monotonic clock); ``contenders``: this process and those of its siblings with
     requests waiting; ``turn``: whether this process may put a prompt longer than its part
     of the prefill cap on the worker once it has drained; ``drained_only``: a sibling's
-    queue has stalled, so this process puts any prompt only on a drained worker in its
-    turn, as the sibling's long prompts wait to (``FlowControl``).
+    queue has stalled, so this process puts a prompt that does not fit one step ahead only
+    on a drained worker in its turn, as the sibling's long prompts wait to
+    (``FlowControl``).
 
     Called for every candidate on the fast path, so it only reads attributes.
     """
@@ -82,12 +90,18 @@ def saturated(
         return False
     totals = worker.totals
     cap = thresholds.max_queued_prefill_tokens
+    queued, drained = 0, True
     if cap:
         queued = totals.prefill_tokens + totals.remote_prefill_tokens
-        if drained_only and (queued or not turn):
+        drained = queued * SHORT_PROMPT_SHARE <= cap  # no long prompt queued
+        if prompt_tokens * SHORT_PROMPT_SHARE <= cap and (
+            queued < cap
+            and queued + prompt_tokens <= cap
+            or cap < queued <= 2 * cap - prompt_tokens
+        ):
+            cap = 0  # one step ahead of it at most: no part, turn or stall applies
+        elif drained_only and (not drained or not turn):
             return True
-        if prompt_tokens * SHORT_PROMPT_SHARE <= cap and cap < queued <= 2 * cap - prompt_tokens:
-            cap = 0  # in the queued prefill's last step
     if contenders > 1:  # this process's part of each cap, on its own requests
         if (
             thresholds.max_inflight
@@ -97,16 +111,12 @@ def saturated(
         own = totals.prefill_tokens
         if cap and own and own * contenders >= cap:
             return True
-        if (
-            cap
-            and (own + prompt_tokens) * contenders > cap
-            and (own + totals.remote_prefill_tokens or not turn)
-        ):
+        if cap and (own + prompt_tokens) * contenders > cap and (not drained or not turn):
             return True  # past its part, and the worker has not drained or is not its turn
     else:
         if thresholds.max_inflight and inflight >= thresholds.max_inflight:
             return True
-        if cap and queued and (queued >= cap or queued + prompt_tokens > cap):
+        if cap and not drained and (queued >= cap or queued + prompt_tokens > cap):
             return True
     engine = worker.engine
     if engine is None:
