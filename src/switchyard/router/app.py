@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
@@ -97,6 +98,35 @@ def _max_tokens(req: RoutedRequest) -> int | None:
 
 class _ClientGone(Exception):
     """The client went away while the router was still reading its request."""
+
+
+@dataclass(slots=True)
+class _Head:
+    """What ``RouterApp._head`` reads of a request's headers."""
+
+    request_id: bytes = b""
+    rid: str = ""
+    session: str | None = None
+    priority: str | None = None
+    smg_priority: str | None = None
+    named_tenant: str | None = None
+    slo: str | None = None
+    content_length: int | None = None
+    auth: bytes | None = None
+    header_bytes: int = 0
+    forward: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Run:
+    """What a request holds while it runs, for ``RouterApp._settle`` to give back."""
+
+    tenant: str | None = None
+    admitted: bool = False  # counted in flight for its tenant
+    req: RoutedRequest | None = None
+    grant: Grant | None = None
+    ctx: Context | None = None
+    body_bytes: int = 0  # as the client sent it, before any adapter rewrote it
 
 
 class _Response:
@@ -379,52 +409,18 @@ class RouterApp:
     async def _handle(
         self, route: str, scope: Scope, receive: Receive, send: Send, api: bool = False
     ) -> None:
-        """One request on a data route; ``api``: one of ``API_ROUTES``."""
+        """One request on a data route; ``api``: one of ``API_ROUTES``. Its stages: the
+        head (``_head``), the caller and the body (``_arrive``), admission and flow control
+        (``_grant``), the choice of worker and the relay (``_dispatch``), and the
+        accounting once it ended (``_settle``)."""
         started = time.perf_counter()
-        request_id: bytes | None = None
-        session: str | None = None
-        priority_header: str | None = None
-        smg_priority: str | None = None
-        named_tenant: str | None = None
-        tenant_header = self._tenant_header
-        slo_header: str | None = None
-        content_length: int | None = None
-        auth: bytes | None = None
-        header_bytes = 0
-        forward_headers: dict[str, str] = {}
-        for key, value in scope["headers"]:
-            header_bytes += len(key) + len(value)
-            if key == b"x-request-id":
-                request_id = value
-                continue
-            if key == b"x-session-id":
-                session = value.decode("latin-1")
-            elif key == b"x-priority":
-                priority_header = value.decode("latin-1")
-            elif key == b"x-smg-priority":
-                smg_priority = value.decode("latin-1")
-            elif tenant_header is not None and (key == tenant_header or key == _FAIRNESS_ID):
-                if named_tenant is None or key == tenant_header:
-                    named_tenant = value.decode("latin-1").strip() or named_tenant
-            elif key == b"x-slo-ttft-ms":
-                slo_header = value.decode("latin-1")
-            elif key == b"content-length":
-                content_length = int(value) if value.isdigit() else None
-            elif key == b"authorization":
-                auth = value
-            name = FORWARDED_HEADERS.get(key)
-            if name is not None:
-                forward_headers[name] = value.decode("latin-1")
-        if request_id is None or not valid_request_id(request_id):
-            request_id = new_request_id()
-        rid = forward_headers["x-request-id"] = request_id.decode("ascii")
-        if self.worker_authorization is not None:
-            forward_headers["authorization"] = self.worker_authorization
+        head = self._head(scope)
+        request_id = head.request_id
         trace: RequestTrace | None = None
         if self.tracing is not None:
-            trace = self.tracing.request(route, forward_headers, rid, started)
+            trace = self.tracing.request(route, head.forward, head.rid, started)
         if self._log_request_ids:
-            REQUEST_ID.set(rid)  # this request's task has a context of its own
+            REQUEST_ID.set(head.rid)  # this request's task has a context of its own
         extensions = scope.get("extensions") or {}
         response = _Response(send, extensions.get(STREAM_WRITER))
         status, worker_id = 500, "none"
@@ -432,93 +428,26 @@ class RouterApp:
         task = asyncio.current_task(loop) if loop is not None else None
         if task is None:  # not started, or started on another loop than this request's
             task = asyncio.current_task()
-        tenant: str | None = None
-        admitted = False
-        grant: Grant | None = None
-        ctx: Context | None = None
-        req: RoutedRequest | None = None
+        assert task is not None
+        run = _Run()
         try:
-            if header_bytes > self.settings.limits.max_header_bytes:
-                raise RouterError(
-                    431,
-                    f"Request headers exceed {self.settings.limits.max_header_bytes} bytes",
-                    code="headers_too_large",
-                )
-            tenant = self.api_key.tenant(auth)
-            if tenant is None and api and auth is None and route in ANTHROPIC_ROUTES:
-                tenant = self.api_key.tenant_of_key(_header(scope, b"x-api-key"))
-            if tenant is None:
-                raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
-            self.tenants.admit(tenant)
-            admitted = True
-            identity = self._identity(
-                tenant, named_tenant, priority_header, smg_priority, slo_header
-            )
-            body = await self._read_body(receive, content_length)
-            req = parse(route, body, session, self.settings.client_kv_transfer)
-            req.chars_per_token = self.token_ratio.value
+            identity, req = await self._arrive(route, head, scope, receive, api, run)
             if trace is not None:
                 trace.describe(req.model, identity.tenant, priority_name(identity.priority))
             sink: Send = response
             holder: str | None = None
             if api or self._aliases:
                 sink, holder = self._adapt(route, req, response)
-            assert task is not None
             when_gone = extensions.get(CLIENT_GONE)
             if when_gone is not None:
                 when_gone(functools.partial(self._on_client_gone, task, response))
-            dispatch: Awaitable[tuple[int, str]]
-            flow = self.flow
             disaggregated = self.pd is not None and self.pd.applies(req)
-            # The fleet's candidates, for flow control and for routing alike when the grant
-            # comes at once; after a wait, routing reads them again.
-            candidates: list[Worker] | None = None
-            if flow is not None:
-                if not disaggregated:
-                    candidates = self.fleet.candidates(req.model)
-                grant = flow.grant_now(
-                    identity.tenant, req.model, req.prompt_tokens_estimate, candidates
-                )
-                if grant is None:
-                    candidates = None
-                    admit = flow.admit(
-                        identity,
-                        req.model,
-                        len(body),
-                        req.prompt_tokens_estimate,
-                        _max_tokens(req) if flow.limiter is not None else None,
-                    )
-                    waiting = (
-                        admit
-                        if when_gone is not None
-                        else self._watching_receive(admit, receive, task, response)
-                    )
-                    grant = await (waiting if trace is None else trace.queued(waiting))
-            if disaggregated:
-                assert self.pd is not None
-                ctx = self.pd.context(req, request_id)
-                if grant is not None and grant.starting:
-                    assert flow is not None
-                    # the handler reaches its first leg's worker before it first waits (on
-                    # the network, or the KV store), and the pump this sets off runs then
-                    flow.begun(grant)
-                dispatch = self.pd.handle(req, forward_headers, request_id, sink, started, ctx)
-            else:
-                ctx, ranked = await self.schedule(
-                    req, request_id, priority_name(identity.priority), slo_header, candidates
-                )
-                if holder is not None:
-                    ranked = _holder_first(ranked, holder)
-                if grant is not None and grant.starting:  # dispatched from the queue
-                    assert flow is not None
-                    flow.begun(grant)
-                if self._engine_priority and route in PRIORITY_ROUTES:
-                    assert flow is not None
-                    req.data["priority"] = flow.engine_priority(identity)
-                    req.body = orjson.dumps(req.data)
-                dispatch = self.forwarder.forward(
-                    req, ctx, ranked, forward_headers, request_id, sink, started
-                )
+            candidates = await self._grant(
+                identity, req, disaggregated, receive, task, response, trace, when_gone, run
+            )
+            dispatch = await self._dispatch(
+                route, req, identity, head, disaggregated, candidates, holder, sink, started, run
+            )
             if when_gone is not None:
                 status, worker_id = await dispatch
             else:
@@ -529,7 +458,7 @@ class RouterApp:
         except _ClientGone:
             status = 499
         except asyncio.CancelledError:
-            if task is None or not (response.client_gone or self.draining):
+            if not (response.client_gone or self.draining):
                 raise
             task.uncancel()
             if response.client_gone:
@@ -549,30 +478,183 @@ class RouterApp:
                 route,
             )
         finally:
-            if admitted:
-                assert tenant is not None
-                self.tenants.release(tenant)
-            if ctx is not None:
-                usage = ctx.usage
-                if (
-                    usage is not None
-                    and req is not None
-                    and (ctx.prefix is None or not ctx.prefix.exact)  # untokenized here
-                ):
-                    self.token_ratio.observe(req.prompt_chars, usage.prompt)
-                if grant is not None:
-                    assert self.flow is not None
-                    prompt, output = served_tokens(usage, ctx.prompt_tokens, ctx.generated)
-                    self.flow.release(grant, prompt, output)
-            elif grant is not None:
-                assert self.flow is not None
-                self.flow.release(grant, 0, 0)
+            self._settle(run)
             if trace is not None:
                 trace.end(status, worker_id)
         m = self.metrics
         m.child(m.requests, route, str(status), worker_id).inc()
-        self.tenants.count(tenant, status)
+        self.tenants.count(run.tenant, status)
         m.child(m.latency, route).observe(time.perf_counter() - started)
+
+    def _head(self, scope: Scope) -> _Head:
+        """What the router reads of a request's headers, in one pass over them, and the
+        headers it forwards; the request id is the client's when valid, else a new one."""
+        head = _Head()
+        tenant_header = self._tenant_header
+        forward = head.forward
+        header_bytes = 0
+        for key, value in scope["headers"]:
+            header_bytes += len(key) + len(value)
+            if key == b"x-request-id":
+                head.request_id = value
+                continue
+            if key == b"x-session-id":
+                head.session = value.decode("latin-1")
+            elif key == b"x-priority":
+                head.priority = value.decode("latin-1")
+            elif key == b"x-smg-priority":
+                head.smg_priority = value.decode("latin-1")
+            elif tenant_header is not None and (key == tenant_header or key == _FAIRNESS_ID):
+                if head.named_tenant is None or key == tenant_header:
+                    head.named_tenant = value.decode("latin-1").strip() or head.named_tenant
+            elif key == b"x-slo-ttft-ms":
+                head.slo = value.decode("latin-1")
+            elif key == b"content-length":
+                head.content_length = int(value) if value.isdigit() else None
+            elif key == b"authorization":
+                head.auth = value
+            name = FORWARDED_HEADERS.get(key)
+            if name is not None:
+                forward[name] = value.decode("latin-1")
+        head.header_bytes = header_bytes
+        if not head.request_id or not valid_request_id(head.request_id):
+            head.request_id = new_request_id()
+        head.rid = forward["x-request-id"] = head.request_id.decode("ascii")
+        if self.worker_authorization is not None:
+            forward["authorization"] = self.worker_authorization
+        return head
+
+    async def _arrive(
+        self, route: str, head: _Head, scope: Scope, receive: Receive, api: bool, run: _Run
+    ) -> tuple[Identity, RoutedRequest]:
+        """Who is asking (401 without a valid key; the tenant is counted in from here) and
+        what: the body read and parsed."""
+        if head.header_bytes > self.settings.limits.max_header_bytes:
+            raise RouterError(
+                431,
+                f"Request headers exceed {self.settings.limits.max_header_bytes} bytes",
+                code="headers_too_large",
+            )
+        tenant = self.api_key.tenant(head.auth)
+        if tenant is None and api and head.auth is None and route in ANTHROPIC_ROUTES:
+            tenant = self.api_key.tenant_of_key(_header(scope, b"x-api-key"))
+        if tenant is None:
+            raise RouterError(401, "Invalid or missing API key", code="invalid_api_key")
+        run.tenant = tenant
+        self.tenants.admit(tenant)
+        run.admitted = True
+        identity = self._identity(
+            tenant, head.named_tenant, head.priority, head.smg_priority, head.slo
+        )
+        body = await self._read_body(receive, head.content_length)
+        run.body_bytes = len(body)
+        req = run.req = parse(route, body, head.session, self.settings.client_kv_transfer)
+        req.chars_per_token = self.token_ratio.value
+        return identity, req
+
+    async def _grant(
+        self,
+        identity: Identity,
+        req: RoutedRequest,
+        disaggregated: bool,
+        receive: Receive,
+        task: asyncio.Task[Any],
+        response: _Response,
+        trace: RequestTrace | None,
+        when_gone: Any,
+        run: _Run,
+    ) -> list[Worker] | None:
+        """Flow control's turn for the request, at once or after a wait in its queue (the
+        grant is kept in ``run``); the fleet's candidates when the turn came at once, for
+        routing to reuse (after a wait, routing reads them again)."""
+        flow = self.flow
+        if flow is None:
+            return None
+        candidates = None if disaggregated else self.fleet.candidates(req.model)
+        run.grant = flow.grant_now(
+            identity.tenant, req.model, req.prompt_tokens_estimate, candidates
+        )
+        if run.grant is not None:
+            return candidates
+        admit = flow.admit(
+            identity,
+            req.model,
+            run.body_bytes,
+            req.prompt_tokens_estimate,
+            _max_tokens(req) if flow.limiter is not None else None,
+        )
+        waiting = (
+            admit
+            if when_gone is not None
+            else self._watching_receive(admit, receive, task, response)
+        )
+        run.grant = await (waiting if trace is None else trace.queued(waiting))
+        return None
+
+    async def _dispatch(
+        self,
+        route: str,
+        req: RoutedRequest,
+        identity: Identity,
+        head: _Head,
+        disaggregated: bool,
+        candidates: list[Worker] | None,
+        holder: str | None,
+        sink: Send,
+        started: float,
+        run: _Run,
+    ) -> Awaitable[tuple[int, str]]:
+        """The worker (or the P/D legs) chosen, the request's context kept in ``run``, and
+        the relay of its answer, to be awaited; a grant from the queue counts as begun."""
+        grant, flow = run.grant, self.flow
+        if disaggregated:
+            assert self.pd is not None
+            ctx = run.ctx = self.pd.context(req, head.request_id)
+            if grant is not None and grant.starting:
+                assert flow is not None
+                # the handler reaches its first leg's worker before it first waits (on the
+                # network, or the KV store), and the pump this sets off runs then
+                flow.begun(grant)
+            return self.pd.handle(req, head.forward, head.request_id, sink, started, ctx)
+        ctx, ranked = await self.schedule(
+            req, head.request_id, priority_name(identity.priority), head.slo, candidates
+        )
+        run.ctx = ctx
+        if holder is not None:
+            ranked = _holder_first(ranked, holder)
+        if grant is not None and grant.starting:  # dispatched from the queue
+            assert flow is not None
+            flow.begun(grant)
+        if self._engine_priority and route in PRIORITY_ROUTES:
+            assert flow is not None
+            req.data["priority"] = flow.engine_priority(identity)
+            req.body = orjson.dumps(req.data)
+        return self.forwarder.forward(
+            req, ctx, ranked, head.forward, head.request_id, sink, started
+        )
+
+    def _settle(self, run: _Run) -> None:
+        """What an ended request gives back: its tenant's slot, and its grant charged with
+        the tokens it was served (the engine's usage, else what the router counted)."""
+        if run.admitted:
+            assert run.tenant is not None
+            self.tenants.release(run.tenant)
+        ctx, req, grant = run.ctx, run.req, run.grant
+        if ctx is not None:
+            usage = ctx.usage
+            if (
+                usage is not None
+                and req is not None
+                and (ctx.prefix is None or not ctx.prefix.exact)  # untokenized here
+            ):
+                self.token_ratio.observe(req.prompt_chars, usage.prompt)
+            if grant is not None:
+                assert self.flow is not None
+                prompt, output = served_tokens(usage, ctx.prompt_tokens, ctx.generated)
+                self.flow.release(grant, prompt, output)
+        elif grant is not None:
+            assert self.flow is not None
+            self.flow.release(grant, 0, 0)
 
     def _adapt(
         self, route: str, req: RoutedRequest, response: _Response
