@@ -376,3 +376,10 @@ def test_the_keeper_nulls_token_ids_only_in_whole_events() -> None:
     assert sent == event.replace(b"[1,2]", b"null").replace(b"[7]", b"null")
     t = keeper.compact()
     assert (t.prompt, list(t.generated)) == ([1, 2], [7])
+
+
+def test_a_stream_without_token_ids_passes_through_whole_from_its_first_piece() -> None:
+    keeper = Keeper(strip=True, chat=False, max_bytes=1000)
+    first = b'data: {"i": 0}\n\ndata: {"i"'
+    assert keeper.feed(first, first=True) == first
+    assert keeper.passing and keeper.feed(b": 1}\n\n") == b": 1}\n\n"

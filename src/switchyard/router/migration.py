@@ -352,6 +352,7 @@ class Keeper:
             # from, so the stream is relayed as it comes
             self.passing = True
             self.transcript.problem = "no_token_ids"
+            piece, self.carry = piece + self.carry, b""
             return piece
         # an error event ends its stream: the piece ends with it or with the [DONE] after it
         if not first and piece.endswith(_LAST) and _ERROR in piece:
