@@ -9,7 +9,8 @@ was late, its answer broke off unrelayed) as ``started_requests`` allows, by def
 always: the abandoned attempt's connection is closed, and vLLM and SGLang abort a request
 whose client has gone, so it does not run on unseen. Where the setting forbids it, such a
 request still goes elsewhere once the worker's process is gone (its port refuses a new
-connection).
+connection). After the first byte, a stream that may migrate resumes on another worker
+(``_resume``, ``router.migration``); any other ends with an error event.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ one classification of failures whichever path a request took:
 
 - no response head yet: connection refused, reset or unresolvable is
   ``connect_error``; any other client error is ``server_error``;
-- the head arrived and then the answer broke off: ``server_error`` (the worker was
-  reachable and failed while answering, so an early re-probe would learn nothing);
+- the head arrived and then the answer broke off, or a stream that may migrate carried
+  the engine's error event: ``server_error`` (the worker was reachable and failed while
+  answering, so an early re-probe would learn nothing);
 - a deadline passed (first byte, first token, idle stream, leg timeout): ``timeout``;
 - an answer with a 5xx status is ``server_error``, any other status ``success``;
 - cancelled (the client left, a sibling leg failed) or failed on our side (a header
