@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -91,7 +92,11 @@ class KVAwareScorer:
         # Costs count blocks of the lookup's size; this one serves when no lookup ran.
         self.block_size = block_size
 
-    def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
+    def costs(
+        self, ctx: Context, workers: list[Worker], factors: list[float] | None = None
+    ) -> list[float]:
+        """The cost of each worker; ``factors`` (one per worker) scale its own work, the
+        prefill and decode terms (``LatencyScorer``'s speeds)."""
         bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
         # One pass per input over the candidates, no per-worker function calls besides
         # load(): over a thousand workers this loop is most of a simulated decision. The
@@ -103,15 +108,15 @@ class KVAwareScorer:
         pw, dw = self.prefill_weight, self.decode_weight
         ow, rw = self.occupancy_weight, self.replication_weight
         total = ctx.prompt_tokens
+        scale = repeat(1.0) if factors is None else factors
         out = []
-        for w, mi, tn in zip(workers, m, tenths, strict=True):
+        for w, mi, tn, f in zip(workers, m, tenths, scale, strict=False):
             prefill, decode = w.queued_tokens()
             uncached = total - mi
             if not uncached > 0.0:
                 uncached = 0.0
             out.append(
-                pw * ((uncached + prefill) / bs)
-                + dw * (decode / bs)
+                f * (pw * ((uncached + prefill) / bs) + dw * (decode / bs))
                 + ow * tn
                 + rw * (best_match - mi) / bs
             )
@@ -192,27 +197,12 @@ class LatencyScorer(KVAwareScorer):
             out.append(1.0 if abs(f - 1.0) <= band else f)
         return out
 
-    def costs(self, ctx: Context, workers: list[Worker]) -> list[float]:
-        factors = self.factors(workers)
-        if all(f == 1.0 for f in factors):
-            return super().costs(ctx, workers)
-        bs = ctx.prefix.block_size if ctx.prefix is not None else self.block_size
-        matched = ctx.matched
-        m = [matched.get(w.id, 0.0) for w in workers] if matched else [0.0] * len(workers)
-        best_match = max(m, default=0.0)
-        tenths = self._tenths(ctx, workers, best_match)
-        pw, dw = self.prefill_weight, self.decode_weight
-        ow, rw = self.occupancy_weight, self.replication_weight
-        total = ctx.prompt_tokens
-        out = []
-        for w, mi, tn, f in zip(workers, m, tenths, factors, strict=True):
-            prefill, decode = w.queued_tokens()
-            uncached = total - mi
-            if not uncached > 0.0:
-                uncached = 0.0
-            work = pw * ((uncached + prefill) / bs) + dw * (decode / bs)
-            out.append(f * work + ow * tn + rw * (best_match - mi) / bs)
-        return out
+    def costs(
+        self, ctx: Context, workers: list[Worker], factors: list[float] | None = None
+    ) -> list[float]:
+        if factors is None:
+            factors = self.factors(workers)
+        return super().costs(ctx, workers, None if all(f == 1.0 for f in factors) else factors)
 
 
 class KVPressureScorer:
