@@ -232,5 +232,10 @@ def test_a_protocol_the_sdk_does_not_speak_is_refused() -> None:
         build_tracing(settings, environ={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
 
 
-def test_nothing_is_checked_while_tracing_is_off() -> None:
+def test_nothing_is_checked_while_tracing_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A set-up that would fail once on (gRPC, its exporter missing) passes while off."""
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
     check(TracingSettings(protocol=GRPC), environ={})
+    on = TracingSettings(protocol=GRPC, otlp_traces_endpoint="http://127.0.0.1:4317")
+    with pytest.raises(ValueError, match="otlp-proto-grpc"):
+        check(on, environ={})
