@@ -276,22 +276,27 @@ def main() -> None:
     )
     print(header, file=sys.stderr)
     with ExitStack() as stack:
-        config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-        policy = "priority" if args.engine_priority else "fcfs"
-        config.write(
-            f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n  scheduling_policy: {policy}\n"
-        )
-        config.flush()
-        fleet = stack.enter_context(
-            MockFleet(args.engines, speed=args.speed, seed=args.seed,
-                      extra_args=["--config", config.name])
-        )  # fmt: skip
+        fleet = start_fleet(stack, args)
         specs = targets(args.step_tokens, not args.no_flow_off, args.ours_args)
         if args.rev:
             code = worktree(stack, args.rev)
             specs = [replace(s, label=f"{s.label} @{args.rev}", code=code) for s in specs]
         cells = run_all(fleet, specs, solo, flood, capacity, args.repeats, timeout_s)
     report(cells, header, 1e3 * args.step_tokens * args.engines / capacity)
+
+
+def start_fleet(stack: ExitStack, args: argparse.Namespace) -> MockFleet:
+    """The mock fleet of ``args``: its step budget, and priority scheduling when asked."""
+    config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
+    policy = "priority" if args.engine_priority else "fcfs"
+    config.write(
+        f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n  scheduling_policy: {policy}\n"
+    )
+    config.flush()
+    return stack.enter_context(
+        MockFleet(args.engines, speed=args.speed, seed=args.seed,
+                  extra_args=["--config", config.name])
+    )  # fmt: skip
 
 
 def chunked(
@@ -340,16 +345,7 @@ def chunked(
     )
     print(header, file=sys.stderr)
     with ExitStack() as stack:
-        config = stack.enter_context(tempfile.NamedTemporaryFile("w", suffix=".yaml"))
-        policy = "priority" if args.engine_priority else "fcfs"
-        config.write(
-            f"mock:\n  max_num_batched_tokens: {args.step_tokens}\n  scheduling_policy: {policy}\n"
-        )
-        config.flush()
-        fleet = stack.enter_context(
-            MockFleet(args.engines, speed=args.speed, seed=args.seed,
-                      extra_args=["--config", config.name])
-        )  # fmt: skip
+        fleet = start_fleet(stack, args)
         if args.rev:
             code = worktree(stack, args.rev)
             specs = [replace(s, label=f"{s.label} @{args.rev}", code=code) for s in specs]
